@@ -1,0 +1,222 @@
+"""Power iteration and PowerDP: the FedPower paper's refactorization (Alg. 1 and App. Alg. 5).
+
+Everything here is batched over a leading "module" dimension M so that all adapted matrices of
+one shape are processed by one batched matmul/QR (not a Python loop per module).
+
+Shapes (per batch entry): W is m x n, the rank is r, the low-rank factors are B (m x r) and
+A (r x n), and the update is W = B @ A.
+
+Two equivalent ways to give W:
+
+* **dense**: ``W`` of shape (M, m, n). Reference implementation, used by tests.
+* **factored**: ``W = Bs @ As`` with ``Bs`` (M, m, R) and ``As`` (M, R, n), R = (clients x r).
+  The server never forms W: every product is taken right-to-left through the factors, so time and
+  memory are O(M (m + n) R r) instead of O(M m n).
+
+For the same generator state the two give the same result up to float rounding: the random
+start ``Q0`` and the noise are drawn in the same order and shapes.
+
+PowerDP (paper Alg. 1) with noise std ``s``::
+
+    Q <- Gaussian (r x n)
+    repeat k times:  P <- orth_cols(W Q^T);  A <- P^T W;  Q <- orth_rows(A)
+    B~ <- W Q^T + N(0, s^2);   A~ <- orth_rows(A + N(0, s^2))
+
+The privacy analysis is *not* the paper's: both B~ and A~ depend on W through data-dependent
+projections, so the valid sensitivity is the diameter 2*sqrt(2)*C of the released pair (see
+docs/privacy.md). This file only does the math; noise stds come from ``fedpower_app.accounting``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+# A Gaussian sampler: (shape, std, generator) -> tensor. ``NoiseSource.gaussian`` fits.
+GaussianSampler = Callable[..., torch.Tensor]
+
+
+def _default_sampler(shape, std, generator, *, dtype=torch.float32, device="cpu"):
+    return torch.randn(shape, generator=generator, dtype=dtype, device=device).mul_(float(std))
+
+
+# --------------------------------------------------------------------------------------------
+# Orthonormalisation (Gram-Schmidt semantics: QR with a non-negative diagonal of R)
+# --------------------------------------------------------------------------------------------
+def orthonormalize_columns(P: torch.Tensor) -> torch.Tensor:
+    """Orthonormal basis of the columns of ``P`` (..., m, r), signs fixed so diag(R) >= 0."""
+    Q, R = torch.linalg.qr(P, mode="reduced")
+    signs = torch.sign(torch.diagonal(R, dim1=-2, dim2=-1))
+    signs = torch.where(signs == 0, torch.ones_like(signs), signs)
+    return Q * signs.unsqueeze(-2)
+
+
+def orthonormalize_rows(A: torch.Tensor) -> torch.Tensor:
+    """Orthonormal rows spanning the rows of ``A`` (..., r, n)."""
+    return orthonormalize_columns(A.transpose(-1, -2)).transpose(-1, -2)
+
+
+# --------------------------------------------------------------------------------------------
+# Operators: W Q^T and P^T W, dense or through the factors
+# --------------------------------------------------------------------------------------------
+class _Dense:
+    def __init__(self, W: torch.Tensor) -> None:
+        self.W = W
+        self.shape = W.shape  # (M, m, n)
+
+    def right(self, Qt: torch.Tensor) -> torch.Tensor:  # W @ Qt, Qt (M, n, r)
+        return self.W @ Qt
+
+    def left(self, Pt: torch.Tensor) -> torch.Tensor:  # Pt @ W, Pt (M, r, m)
+        return Pt @ self.W
+
+
+class _Factored:
+    def __init__(self, Bs: torch.Tensor, As: torch.Tensor) -> None:
+        if Bs.shape[-1] != As.shape[-2] or Bs.shape[:-2] != As.shape[:-2]:
+            raise ValueError(f"factor shapes do not chain: B {tuple(Bs.shape)} vs A {tuple(As.shape)}")
+        self.Bs, self.As = Bs, As
+        self.shape = (*Bs.shape[:-1], As.shape[-1])  # (M, m, n)
+
+    def right(self, Qt: torch.Tensor) -> torch.Tensor:
+        return self.Bs @ (self.As @ Qt)
+
+    def left(self, Pt: torch.Tensor) -> torch.Tensor:
+        return (Pt @ self.Bs) @ self.As
+
+
+def _operator(W=None, factors=None):
+    if (W is None) == (factors is None):
+        raise ValueError("give exactly one of W (dense) or factors=(Bs, As)")
+    return _Dense(W) if W is not None else _Factored(*factors)
+
+
+def _random_start(shape, rank, generator, dtype, device) -> torch.Tensor:
+    """Gaussian Q0 (M, r, n): data-independent, drawn first so dense and factored agree."""
+    *batch, _, n = shape
+    return torch.randn((*batch, rank, n), generator=generator, dtype=dtype, device=device)
+
+
+def _check(shape, rank, iters):
+    m, n = shape[-2], shape[-1]
+    if rank < 1 or rank > min(m, n):
+        raise ValueError(f"rank must be in [1, min(m, n) = {min(m, n)}], got {rank}")
+    if iters < 1:
+        raise ValueError(f"power iterations must be >= 1, got {iters}")
+
+
+# --------------------------------------------------------------------------------------------
+# Public API
+# --------------------------------------------------------------------------------------------
+def power_iteration(
+    W: torch.Tensor | None = None,
+    *,
+    factors: tuple[torch.Tensor, torch.Tensor] | None = None,
+    rank: int,
+    iters: int,
+    generator: torch.Generator,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Non-private simultaneous power iteration (paper App. Alg. 5).
+
+    Returns ``(B, A)`` with ``A`` (M, r, n) having orthonormal rows and ``B = W A^T`` (M, m, r),
+    so ``B @ A`` is the rank-r approximation of W on the computed row space.
+    """
+    op = _operator(W, factors)
+    _check(op.shape, rank, iters)
+    dtype, device = _dtype_device(W, factors)
+    Q = _random_start(op.shape, rank, generator, dtype, device)
+    for _ in range(iters):
+        P = orthonormalize_columns(op.right(Q.transpose(-1, -2)))
+        Q = op.left(P.transpose(-1, -2))
+    A = orthonormalize_rows(Q)
+    B = op.right(A.transpose(-1, -2))
+    return B, A
+
+
+def powerdp(
+    W: torch.Tensor | None = None,
+    *,
+    factors: tuple[torch.Tensor, torch.Tensor] | None = None,
+    rank: int,
+    iters: int,
+    noise_std: float,
+    generator: torch.Generator,
+    sampler: GaussianSampler | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PowerDP (paper Alg. 1): power iteration with Gaussian noise on the final B~ and A~.
+
+    Returns ``(B_tilde, A_tilde)``: B~ = W Q^T + N (M, m, r) and A~ = orth_rows(P^T W + N)
+    (M, r, n). With ``noise_std == 0`` this is power iteration's subspace with B = W Q^T.
+    The noise std is per entry; the caller derives it from the accountant (z * Delta).
+    """
+    op = _operator(W, factors)
+    _check(op.shape, rank, iters)
+    dtype, device = _dtype_device(W, factors)
+    sample = sampler or _default_sampler
+    Q = _random_start(op.shape, rank, generator, dtype, device)
+    A = None
+    for _ in range(iters):
+        P = orthonormalize_columns(op.right(Q.transpose(-1, -2)))
+        A = op.left(P.transpose(-1, -2))
+        Q = orthonormalize_rows(A)
+    B = op.right(Q.transpose(-1, -2))
+    # Fresh noise for each released block, drawn in a fixed order: B~ first, then A~.
+    B_tilde = B + sample(tuple(B.shape), noise_std, generator, dtype=dtype, device=device)
+    A_noisy = A + sample(tuple(A.shape), noise_std, generator, dtype=dtype, device=device)
+    return B_tilde, orthonormalize_rows(A_noisy)
+
+
+def input_perturbation(
+    W: torch.Tensor | None = None,
+    *,
+    factors: tuple[torch.Tensor, torch.Tensor] | None = None,
+    rank: int,
+    iters: int,
+    noise_std: float,
+    generator: torch.Generator,
+    sampler: GaussianSampler | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Input perturbation (paper §6.3): W~ = W + N(0, s^2 I_{m x n}), then power iteration.
+
+    The noise is full rank, so this ablation necessarily materialises one m x n matrix per module.
+    Power iteration after the noise is post-processing.
+    """
+    op = _operator(W, factors)
+    _check(op.shape, rank, iters)
+    dtype, device = _dtype_device(W, factors)
+    sample = sampler or _default_sampler
+    dense = W if W is not None else factors[0] @ factors[1]
+    noisy = dense + sample(tuple(dense.shape), noise_std, generator, dtype=dtype, device=device)
+    return power_iteration(noisy, rank=rank, iters=iters, generator=generator)
+
+
+def output_perturbation(
+    W: torch.Tensor | None = None,
+    *,
+    factors: tuple[torch.Tensor, torch.Tensor] | None = None,
+    rank: int,
+    iters: int,
+    noise_std_a: float,
+    noise_std_b: float,
+    generator: torch.Generator,
+    sampler: GaussianSampler | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Output perturbation (paper §6.3): non-private power iteration, then noise on B and A.
+
+    A has orthonormal rows (its diameter is 2 sqrt(r) per module, independent of C) and
+    B = W A^T (diameter 2C), hence two different noise stds.
+    """
+    B, A = power_iteration(W, factors=factors, rank=rank, iters=iters, generator=generator)
+    dtype, device = B.dtype, B.device
+    sample = sampler or _default_sampler
+    B_noisy = B + sample(tuple(B.shape), noise_std_b, generator, dtype=dtype, device=device)
+    A_noisy = A + sample(tuple(A.shape), noise_std_a, generator, dtype=dtype, device=device)
+    return B_noisy, A_noisy
+
+
+def _dtype_device(W, factors):
+    ref = W if W is not None else factors[0]
+    if ref.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"PowerDP math runs in float32 or float64, got {ref.dtype}")
+    return ref.dtype, ref.device
