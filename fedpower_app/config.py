@@ -1,0 +1,202 @@
+"""The run configuration: one typed, validated view of Flower's flat run config.
+
+Defaults live in ``pyproject.toml`` (``[tool.flwr.app.config]``), presets in ``conf/*.toml``,
+and each key is documented once, in the README's configuration table. This module only knows
+each key's type and valid values, so a bad value fails at start with a message naming the key.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+
+STRATEGIES = ("fedpower", "fedlora", "ffa-lora", "input-perturbation", "output-perturbation")
+DP_LEVELS = ("none", "sample", "client")
+TASKS = ("synthetic", "sst2", "qnli", "mnli", "qqp")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+class ConfigError(ValueError):
+    """A run-config value is missing or invalid. The message names the key."""
+
+
+def _in(choices) -> Callable[[Any], str | None]:
+    return lambda v: None if v in choices else f"must be one of {', '.join(map(str, choices))}"
+
+
+def _pos(v):
+    return None if v > 0 else "must be > 0"
+
+
+def _nonneg(v):
+    return None if v >= 0 else "must be >= 0"
+
+
+def _rate(v):
+    return None if 0 < v <= 1 else "must be in (0, 1]"
+
+
+def _open_unit(v):
+    return None if 0 < v < 1 else "must be in (0, 1)"
+
+
+def _unit(v):
+    return None if 0 <= v <= 1 else "must be in [0, 1]"
+
+
+def _min1(v):
+    return None if v >= 1 else "must be >= 1"
+
+
+# key -> (python type, validator or None). Keep in the order of the README table.
+SCHEMA: dict[str, tuple[type, Callable[[Any], str | None] | None]] = {
+    "num-server-rounds": (int, _min1),
+    "seed": (int, None),
+    "run-name": (str, None),
+    "output-dir": (str, None),
+    "device": (str, _in(DEVICES)),
+    "task.name": (str, _in(TASKS)),
+    "task.data-dir": (str, None),
+    "task.max-length": (int, _min1),
+    "task.max-train": (int, _nonneg),
+    "task.max-eval": (int, _nonneg),
+    "task.synthetic-train-size": (int, _min1),
+    "task.synthetic-eval-size": (int, _min1),
+    "task.cache-dir": (str, None),
+    "model.name": (str, None),
+    "model.target-modules": (str, None),
+    "model.train-head": (bool, None),
+    "lora.rank": (int, _min1),
+    "lora.alpha": (float, _pos),
+    "lora.dropout": (float, lambda v: None if 0 <= v < 1 else "must be in [0, 1)"),
+    "train.local-steps": (int, _min1),
+    "train.batch-size": (int, _min1),
+    "train.lr": (float, _pos),
+    "eval.batch-size": (int, _min1),
+    "eval.every": (int, _min1),
+    "eval.fraction-clients": (float, _unit),
+    "strategy.name": (str, _in(STRATEGIES)),
+    "strategy.client-rate": (float, _rate),
+    "strategy.power-iters": (int, _min1),
+    "strategy.refactor-every": (int, _min1),
+    "strategy.min-nodes": (int, _min1),
+    "strategy.round-timeout": (float, _pos),
+    "dp.level": (str, _in(DP_LEVELS)),
+    "dp.epsilon": (float, _pos),
+    "dp.delta": (float, _open_unit),
+    "dp.clip": (float, _pos),
+    "dp.noise-multiplier": (float, _nonneg),
+    "dp.accountant": (str, _in(("rdp", "pld"))),
+    "dp.sample-mode": (str, _in(("two-stage", "product"))),
+    "dp.calibration": (str, _in(("rigorous", "paper"))),
+    "dp.noise": (str, _in(("seeded", "hardened"))),
+}
+
+
+def pyproject_defaults(path: Path | None = None) -> dict[str, Any]:
+    """The flattened ``[tool.flwr.app.config]`` table of pyproject.toml (the single source of defaults)."""
+    path = path or PROJECT_ROOT / "pyproject.toml"
+    with open(path, "rb") as fh:
+        table = tomllib.load(fh)["tool"]["flwr"]["app"]["config"]
+    return flatten(table)
+
+
+def flatten(table: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in table.items():
+        full = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(flatten(value, full + "."))
+        else:
+            out[full] = value
+    return out
+
+
+def load_preset(path: str | Path) -> dict[str, Any]:
+    """A ``conf/*.toml`` preset, flattened to run-config keys."""
+    with open(path, "rb") as fh:
+        return flatten(tomllib.load(fh))
+
+
+@dataclass(frozen=True, eq=False)
+class RunConfig:
+    """Validated run configuration. Access values with ``cfg["dp.epsilon"]``. Hashable (cache key)."""
+
+    values: dict[str, Any]
+
+    def __hash__(self) -> int:
+        return hash(tuple(sorted(self.values.items())))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, RunConfig) and self.values == other.values
+
+    def __getitem__(self, key: str) -> Any:
+        return self.values[key]
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.values)
+
+    # Convenience views used in several places.
+    @property
+    def dp_enabled(self) -> bool:
+        return self.values["dp.level"] != "none"
+
+    @property
+    def target_modules(self) -> list[str]:
+        raw = self.values["model.target-modules"].strip()
+        return [m.strip() for m in raw.split(",") if m.strip()]
+
+
+def parse_config(run_config: dict[str, Any], *, defaults: dict[str, Any] | None = None) -> RunConfig:
+    """Validate a flat run config (Flower's ``context.run_config``) against the schema.
+
+    Keys missing from ``run_config`` are taken from ``defaults`` (pyproject.toml when None).
+    Unknown keys and invalid values raise ConfigError naming the key.
+    """
+    base = pyproject_defaults() if defaults is None else dict(defaults)
+    unknown = sorted(set(run_config) - set(SCHEMA))
+    if unknown:
+        raise ConfigError(f"unknown config key(s): {', '.join(unknown)} (valid keys are listed in the README)")
+    merged = {**base, **run_config}
+    values: dict[str, Any] = {}
+    for key, (typ, check) in SCHEMA.items():
+        if key not in merged:
+            raise ConfigError(f"config key {key!r} is missing (no default in pyproject.toml)")
+        values[key] = _coerce(key, merged[key], typ)
+        if check is not None:
+            problem = check(values[key])
+            if problem:
+                raise ConfigError(f"config key {key!r} {problem}, got {values[key]!r}")
+    _cross_checks(values)
+    return RunConfig(values)
+
+
+def _coerce(key: str, value: Any, typ: type) -> Any:
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            return value.lower() == "true"
+        raise ConfigError(f"config key {key!r} must be true or false, got {value!r}")
+    if typ is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if typ is int and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if typ is int and isinstance(value, float) and value.is_integer():
+        return int(value)
+    if typ is str and isinstance(value, str):
+        return value
+    raise ConfigError(f"config key {key!r} must be of type {typ.__name__}, got {value!r}")
+
+
+def _cross_checks(v: dict[str, Any]) -> None:
+    if v["strategy.refactor-every"] > 1 and v["strategy.name"] != "fedpower":
+        raise ConfigError("config key 'strategy.refactor-every' > 1 only applies to strategy.name = 'fedpower'")
+    if v["dp.calibration"] == "paper" and v["dp.noise-multiplier"] > 0:
+        raise ConfigError("config keys 'dp.calibration' = 'paper' and 'dp.noise-multiplier' > 0 are exclusive")
+    if v["task.name"] == "synthetic" and v["task.data-dir"]:
+        raise ConfigError("config key 'task.data-dir' is set but task.name = 'synthetic' (choose a GLUE task)")

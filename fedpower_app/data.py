@@ -1,0 +1,143 @@
+"""Data layer: pick a task source, split it IID across silos, tokenise once and cache on disk.
+
+Sources are pluggable: the generated ``synthetic`` task (default, offline), GLUE from a local
+directory (``task.data-dir``) or from the Hugging Face hub (``fedpower_app.glue``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from .config import RunConfig
+from .data_types import TaskData, TextExamples
+
+log = logging.getLogger("fedpower")
+
+
+def load_task(cfg: RunConfig) -> TaskData:
+    """The configured task's train and evaluation splits (cached per process)."""
+    return _load_task_cached(
+        cfg["task.name"], cfg["task.data-dir"], cfg["task.max-train"], cfg["task.max-eval"],
+        cfg["task.synthetic-train-size"], cfg["task.synthetic-eval-size"], cfg["seed"],
+    )
+
+
+@lru_cache(maxsize=4)
+def _load_task_cached(name, data_dir, max_train, max_eval, syn_train, syn_eval, seed) -> TaskData:
+    if name == "synthetic":
+        from .synthetic import load_synthetic
+
+        return load_synthetic(syn_train, syn_eval, seed)
+    from .glue import load_glue
+
+    return load_glue(name, data_dir or None, max_train=max_train or None, max_eval=max_eval or None, seed=seed)
+
+
+def partition_indices(num_examples: int, num_partitions: int, partition_id: int, seed: int) -> list[int]:
+    """IID shard of a split: sizes differ by at most one and sum to the split."""
+    from .glue import iid_partition_indices
+
+    return iid_partition_indices(num_examples, num_partitions, partition_id, seed)
+
+
+@dataclass
+class TokenizedSplit:
+    """Pre-tokenised examples, padded to max_length; batches are trimmed to their longest row."""
+
+    input_ids: torch.Tensor  # (N, L) int64
+    attention_mask: torch.Tensor  # (N, L) int64
+    labels: torch.Tensor  # (N,) int64
+    token_type_ids: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return int(self.labels.shape[0])
+
+    def batch(self, idx: torch.Tensor, device) -> dict[str, torch.Tensor]:
+        mask = self.attention_mask[idx]
+        width = max(int(mask.sum(dim=1).max().item()), 1) if len(idx) else 1
+        out = {
+            "input_ids": self.input_ids[idx, :width].to(device),
+            "attention_mask": mask[:, :width].to(device),
+            "labels": self.labels[idx].to(device),
+        }
+        if self.token_type_ids is not None:
+            out["token_type_ids"] = self.token_type_ids[idx, :width].to(device)
+        return out
+
+
+def cache_dir(cfg: RunConfig) -> Path:
+    raw = cfg["task.cache-dir"] or os.environ.get("FEDPOWER_CACHE") or str(Path.home() / ".cache" / "fedpower")
+    return Path(raw).expanduser()
+
+
+def tokenize(examples: TextExamples, tokenizer, max_length: int) -> TokenizedSplit:
+    enc = tokenizer(
+        examples.text_a,
+        examples.text_b,
+        truncation=True,
+        max_length=max_length,
+        padding="max_length",
+        return_tensors="pt",
+    )
+    return TokenizedSplit(
+        input_ids=enc["input_ids"].long(),
+        attention_mask=enc["attention_mask"].long(),
+        labels=torch.tensor(examples.labels, dtype=torch.long),
+        token_type_ids=enc["token_type_ids"].long() if "token_type_ids" in enc else None,
+    )
+
+
+def tokenized_cached(examples: TextExamples, tokenizer, max_length: int, cache_root: Path, key_parts: dict) -> TokenizedSplit:
+    """Tokenise once per (data, tokenizer, max length); later calls load the tensors from disk."""
+    fingerprint = hashlib.sha256()
+    fingerprint.update(json.dumps(key_parts, sort_keys=True).encode())
+    fingerprint.update(str(getattr(tokenizer, "name_or_path", "")).encode())
+    fingerprint.update(str(len(examples)).encode())
+    # Content hash over a sample of rows guards against a changed file under the same name.
+    step = max(1, len(examples) // 64)
+    for i in range(0, len(examples), step):
+        fingerprint.update(examples.text_a[i].encode())
+        fingerprint.update(str(examples.labels[i]).encode())
+    path = cache_root / f"tok-{fingerprint.hexdigest()[:24]}.pt"
+    if path.exists():
+        try:
+            return TokenizedSplit(**torch.load(path, weights_only=True))
+        except Exception as exc:  # a truncated cache file must not break a run
+            log.warning("ignoring unreadable token cache %s (%s)", path, exc)
+    split = tokenize(examples, tokenizer, max_length)
+    cache_root.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    torch.save(split.__dict__, tmp)
+    os.replace(tmp, path)  # atomic: concurrent clients never read a half-written file
+    return split
+
+
+def client_shard(cfg: RunConfig, tokenizer, partition_id: int, num_partitions: int) -> TokenizedSplit:
+    """The tokenised training shard of one silo."""
+    if not 0 <= partition_id < num_partitions:
+        raise ValueError(f"partition-id {partition_id} is outside [0, {num_partitions})")
+    task = load_task(cfg)
+    idx = partition_indices(len(task.train), num_partitions, partition_id, cfg["seed"])
+    key = {"task": task.name, "split": "train", "part": partition_id, "of": num_partitions,
+           "seed": cfg["seed"], "max_len": cfg["task.max-length"], "data": cfg["task.data-dir"],
+           "max_train": cfg["task.max-train"], "syn": cfg["task.synthetic-train-size"]}
+    return tokenized_cached(task.train.select(idx), tokenizer, cfg["task.max-length"], cache_dir(cfg), key)
+
+
+def eval_splits(cfg: RunConfig, tokenizer) -> dict[str, TokenizedSplit]:
+    """All tokenised evaluation splits of the task (first = primary)."""
+    task = load_task(cfg)
+    out = {}
+    for name, examples in task.eval_splits.items():
+        key = {"task": task.name, "split": name, "seed": cfg["seed"], "max_len": cfg["task.max-length"],
+               "data": cfg["task.data-dir"], "max_eval": cfg["task.max-eval"], "syn": cfg["task.synthetic-eval-size"]}
+        out[name] = tokenized_cached(examples, tokenizer, cfg["task.max-length"], cache_dir(cfg), key)
+    return out

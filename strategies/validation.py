@@ -1,0 +1,39 @@
+"""Validation of client replies (pure python/torch; no Flower import).
+
+A reply is accepted only if it carries exactly the expected adapter keys, with the expected
+shapes, a floating dtype of at least 32 bits, and finite values. Anything else is dropped with a
+reason the server logs and counts; a bad reply never crashes the round.
+"""
+
+from __future__ import annotations
+
+import torch
+
+ACCEPTED_DTYPES = (torch.float32, torch.float64)
+
+
+class InvalidReply(ValueError):
+    """A client reply that must be dropped; the message says why."""
+
+
+def validate_tensors(tensors: dict[str, torch.Tensor], expected: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+    """Check keys, shapes, dtypes and finiteness; return float32 copies or raise InvalidReply."""
+    missing = sorted(set(expected) - set(tensors))
+    if missing:
+        raise InvalidReply(f"missing {len(missing)} key(s), e.g. {missing[0]!r}")
+    unexpected = sorted(set(tensors) - set(expected))
+    if unexpected:
+        raise InvalidReply(f"{len(unexpected)} unexpected key(s), e.g. {unexpected[0]!r}")
+    out = {}
+    for key, shape in expected.items():
+        t = tensors[key]
+        if not isinstance(t, torch.Tensor):
+            raise InvalidReply(f"{key!r} is not a tensor")
+        if tuple(t.shape) != tuple(shape):
+            raise InvalidReply(f"{key!r} has shape {tuple(t.shape)}, expected {tuple(shape)}")
+        if t.dtype not in ACCEPTED_DTYPES:
+            raise InvalidReply(f"{key!r} has dtype {t.dtype}, expected float32 or float64")
+        if not bool(torch.isfinite(t).all()):
+            raise InvalidReply(f"{key!r} contains NaN or Inf")
+        out[key] = t.to(torch.float32)
+    return out

@@ -1,0 +1,72 @@
+"""An in-process Flower Grid: runs a ClientApp synchronously, no Ray, no SuperLink (tests only)."""
+
+from __future__ import annotations
+
+import copy
+import uuid
+
+from flwr.app import Context, Error, Message, RecordDict
+from flwr.serverapp import Grid
+from flwr.supercore.run import Run
+from flwr.supercore.task_identity import TaskIdentity
+
+
+class InProcessGrid(Grid):
+    """Delivers each message to ``client_app`` (a ClientApp or a plain callable) in this process.
+
+    ``handlers`` may override the reply of given node ids (to simulate faulty clients).
+    """
+
+    def __init__(self, client_app, num_nodes: int, run_config: dict | None = None, handlers: dict | None = None):
+        TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 1, 1
+        self._app = client_app
+        self._run = Run.create_empty(run_id=1)
+        self.node_ids = [100 + i for i in range(num_nodes)]
+        self._contexts = {
+            nid: Context(run_id=1, node_id=nid, node_config={"partition-id": i, "num-partitions": num_nodes},
+                         state=RecordDict(), run_config=dict(run_config or {}))
+            for i, nid in enumerate(self.node_ids)
+        }
+        self.handlers = dict(handlers or {})
+        self._replies: dict[str, Message] = {}
+        self.sent: list[Message] = []
+
+    def set_run(self, run_id):  # pragma: no cover - Grid API
+        self._run = Run.create_empty(run_id=run_id)
+
+    @property
+    def run(self):
+        return self._run
+
+    def create_message(self, content, message_type, dst_node_id, group_id, ttl=None):
+        return Message(content, dst_node_id, message_type, ttl=ttl, group_id=group_id)
+
+    def get_node_ids(self):
+        return list(self.node_ids)
+
+    def push_messages(self, messages):
+        ids = []
+        for msg in messages:
+            mid = uuid.uuid4().hex
+            msg.metadata.__dict__["_message_id"] = mid
+            self.sent.append(msg)
+            dst = msg.metadata.dst_node_id
+            # Real runtimes serialise; copy so a client cannot mutate what others receive.
+            delivered = Message(copy.deepcopy(msg.content), dst, msg.metadata.message_type)
+            delivered.metadata.__dict__["_message_id"] = mid
+            try:
+                handler = self.handlers.get(dst, self._app)
+                reply = handler(delivered, self._contexts[dst])
+            except Exception as exc:  # the runtime turns a raising ClientApp into an error reply
+                reply = Message(Error(code=2, reason=repr(exc)), reply_to=delivered)
+            if reply is not None:
+                reply.metadata.__dict__["_src_node_id"] = dst
+            self._replies[mid] = reply
+            ids.append(mid)
+        return ids
+
+    def pull_messages(self, message_ids):
+        return [r for i in message_ids if (r := self._replies.pop(i, None)) is not None]
+
+    def send_and_receive(self, messages, *, timeout=None):
+        return self.pull_messages(self.push_messages(messages))
