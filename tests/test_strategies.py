@@ -1,0 +1,220 @@
+"""Strategy round logic with an in-process Grid (no Ray): sampling, aggregation, bad replies."""
+
+from collections import OrderedDict
+
+import pytest
+import torch
+from flwr.app import ArrayRecord, Error, Message, MetricRecord, RecordDict
+
+from strategies.aggregation import AdapterUpdate, clip_scales, merged_sq_norms, group_modules
+from strategies.flower import BudgetExhausted, FedLoRAStrategy, FedPowerStrategy, FFALoRAStrategy, build_strategy
+from strategies.noise import NoiseSource
+from tests.inprocess import InProcessGrid
+
+M_NAMES = [f"layer.{i}.query" for i in range(2)] + [f"layer.{i}.value" for i in range(2)]
+m, n, r = 12, 10, 2
+
+
+def initial_state(seed=0, head=False):
+    g = torch.Generator().manual_seed(seed)
+    st = OrderedDict()
+    for name in M_NAMES:
+        st[name + ".lora_A.weight"] = torch.randn(r, n, generator=g) * 0.1
+        st[name + ".lora_B.weight"] = torch.zeros(m, r)
+    if head:
+        st["classifier.weight"] = torch.randn(2, n, generator=g)
+    return st
+
+
+def fake_client(delta_scale=0.5, send_a=True):
+    """A ClientApp stand-in: global adapters + a deterministic per-node change."""
+
+    def app(msg: Message, context):
+        state = msg.content["arrays"].to_torch_state_dict()
+        g = torch.Generator().manual_seed(context.node_id * 1000 + int(msg.content["config"]["server-round"]))
+        out = OrderedDict()
+        for k, v in state.items():
+            if k.endswith("lora_A.weight") and not send_a:
+                continue
+            out[k] = v + delta_scale * torch.randn(v.shape, generator=g)
+        return Message(RecordDict({"arrays": ArrayRecord(out),
+                                   "metrics": MetricRecord({"num-examples": 10, "train-loss": 0.5})}), reply_to=msg)
+
+    return app
+
+
+class FixedPrivacy:
+    """A privacy hook with fixed stds (tests the strategy plumbing, not the accountant)."""
+
+    enabled = True
+
+    def __init__(self, clip=1.0, std=0.0, budget_rounds=None):
+        self.clip, self.std, self.budget_rounds, self.recorded = clip, std, budget_rounds, []
+
+    def noise_stds(self, round_type, k):
+        return [self.std, self.std]
+
+    def check(self, round_type, server_round):
+        if self.budget_rounds is not None and len(self.recorded) >= self.budget_rounds:
+            raise BudgetExhausted(f"budget allows {self.budget_rounds} rounds")
+
+    def record(self, round_type, server_round, num_sampled, num_aggregated):
+        self.recorded.append((round_type, server_round, num_sampled, num_aggregated))
+
+    def epsilon(self):
+        return float(len(self.recorded))
+
+
+def run(strategy, client_app, num_nodes=4, rounds=3, handlers=None):
+    grid = InProcessGrid(client_app, num_nodes, handlers=handlers)
+    result = strategy.start(grid=grid, initial_arrays=ArrayRecord(strategy.global_state), num_rounds=rounds)
+    return grid, result
+
+
+def make(cls, **kw):
+    base = dict(initial_state=initial_state(), rank=r, client_rate=1.0, noise=NoiseSource(0))
+    base.update(kw)
+    return cls(**base)
+
+
+def test_poisson_client_sampling_rate_and_reproducibility():
+    s = make(FedLoRAStrategy, client_rate=0.3)
+    nodes = list(range(50))
+    counts = [len(s.sample_clients(t, nodes)) for t in range(1, 201)]
+    assert abs(sum(counts) / (200 * 50) - 0.3) < 0.02
+    assert s.sample_clients(7, nodes) == make(FedLoRAStrategy, client_rate=0.3).sample_clients(7, nodes)
+    assert any(c == 0 for c in [len(make(FedLoRAStrategy, client_rate=0.05).sample_clients(t, list(range(3)))) for t in range(1, 60)])
+
+
+def test_fedlora_nonprivate_is_plain_average():
+    s = make(FedLoRAStrategy)
+    grid, result = run(s, fake_client(), rounds=1)
+    replies = [fake_client()(msg, grid._contexts[msg.metadata.dst_node_id]) for msg in grid.sent]
+    states = [rep.content["arrays"].to_torch_state_dict() for rep in replies]
+    for k in s.global_state:
+        expected = torch.stack([st[k] for st in states]).mean(0)
+        assert torch.allclose(s.global_state[k], expected, atol=1e-6)
+    assert s.reports[0].aggregated == 4 and s.reports[0].dropped == []
+
+
+def test_fedpower_nonprivate_is_rank_r_refactorization_of_average():
+    s = make(FedPowerStrategy, power_iters=30)
+    grid, _ = run(s, fake_client(), rounds=1)
+    replies = [fake_client()(msg, grid._contexts[msg.metadata.dst_node_id]) for msg in grid.sent]
+    states = [rep.content["arrays"].to_torch_state_dict() for rep in replies]
+    for name in M_NAMES:
+        W = torch.stack([st[name + ".lora_B.weight"] @ st[name + ".lora_A.weight"] for st in states]).mean(0)
+        U, S, Vh = torch.linalg.svd(W.double())
+        best = (U[:, :r] * S[:r]) @ Vh[:r]
+        got = s.global_state[name + ".lora_B.weight"] @ s.global_state[name + ".lora_A.weight"]
+        assert torch.allclose(got.double(), best, atol=1e-3)
+        A = s.global_state[name + ".lora_A.weight"]
+        assert torch.allclose(A @ A.T, torch.eye(r), atol=1e-5)
+
+
+def test_fedpower_private_clips_whole_update():
+    priv = FixedPrivacy(clip=0.5, std=0.0)
+    s = make(FedPowerStrategy, privacy=priv, power_iters=30)
+    run(s, fake_client(delta_scale=3.0), rounds=1)
+    W_norm_sq = sum((s.global_state[nm + ".lora_B.weight"] @ s.global_state[nm + ".lora_A.weight"]).double().pow(2).sum() for nm in M_NAMES)
+    assert W_norm_sq.sqrt() <= 0.5 * (1 + 1e-5)  # average of clipped updates, projected: norm <= C
+    assert s.reports[0].clipped_fraction == 1.0
+    assert priv.recorded == [("powerdp", 1, 4, 4)]
+
+
+def test_ffa_lora_never_changes_a():
+    s = make(FFALoRAStrategy, privacy=FixedPrivacy(clip=1.0, std=0.1))
+    a_before = {k: v.clone() for k, v in s.global_state.items() if "lora_A" in k}
+    run(s, fake_client(send_a=False), rounds=3)
+    for k, v in a_before.items():
+        assert torch.equal(s.global_state[k], v)
+    assert any((s.global_state[k] != 0).any() for k in s.global_state if "lora_B" in k)
+    assert all(rep.aggregated == 4 for rep in s.reports)
+
+
+def test_ffa_lora_drops_replies_that_send_a():
+    s = make(FFALoRAStrategy)
+    run(s, fake_client(send_a=True), rounds=1)
+    assert s.reports[0].aggregated == 0 and len(s.reports[0].dropped) == 4
+    assert "unexpected key" in s.reports[0].dropped[0]["reason"]
+
+
+def bad_handlers(base_app):
+    def nan_reply(msg, ctx):
+        rep = base_app(msg, ctx)
+        st = rep.content["arrays"].to_torch_state_dict()
+        k = next(iter(st))
+        st[k][0, 0] = float("nan")
+        return Message(RecordDict({"arrays": ArrayRecord(st), "metrics": MetricRecord({"num-examples": 1})}), reply_to=msg)
+
+    def wrong_shape(msg, ctx):
+        st = base_app(msg, ctx).content["arrays"].to_torch_state_dict()
+        k = next(iter(st))
+        st[k] = torch.zeros(3, 3)
+        return Message(RecordDict({"arrays": ArrayRecord(st)}), reply_to=msg)
+
+    def missing_key(msg, ctx):
+        st = base_app(msg, ctx).content["arrays"].to_torch_state_dict()
+        st.pop(next(iter(st)))
+        return Message(RecordDict({"arrays": ArrayRecord(st)}), reply_to=msg)
+
+    def error_reply(msg, ctx):
+        return Message(Error(code=2, reason="client crashed"), reply_to=msg)
+
+    def raises(msg, ctx):
+        raise RuntimeError("boom")
+
+    return [nan_reply, wrong_shape, missing_key, error_reply, raises]
+
+
+@pytest.mark.parametrize("cls", [FedPowerStrategy, FedLoRAStrategy])
+def test_bad_replies_dropped_and_counted(cls):
+    base = fake_client()
+    handlers = {100 + i: h for i, h in enumerate(bad_handlers(base))}
+    s = make(cls, privacy=FixedPrivacy(clip=1.0, std=0.01))
+    grid, result = run(s, base, num_nodes=7, rounds=2, handlers=handlers)
+    for rep in s.reports:
+        assert rep.sampled == 7 and rep.aggregated == 2 and len(rep.dropped) == 5
+        reasons = " | ".join(d["reason"] for d in rep.dropped)
+        for needle in ("NaN", "shape", "missing", "client crashed", "boom"):
+            assert needle in reasons
+    assert all(torch.isfinite(v).all() for v in s.global_state.values())
+
+
+def test_budget_stops_before_crossing_round():
+    priv = FixedPrivacy(clip=1.0, std=0.1, budget_rounds=2)
+    s = make(FedLoRAStrategy, privacy=priv)
+    grid, _ = run(s, fake_client(), rounds=5)
+    assert len(priv.recorded) == 2 and len(s.reports) == 2
+    assert "budget" in s.stopped_reason
+    assert {m.metadata.message_type for m in grid.sent} == {"train"} and len(grid.sent) == 8  # no 3rd round sent
+
+
+def test_empty_round_releases_noise_under_dp_and_keeps_model_without_dp():
+    priv = FixedPrivacy(clip=1.0, std=0.5)
+    s = make(FedLoRAStrategy, privacy=priv, client_rate=1e-9)
+    run(s, fake_client(), rounds=1)
+    assert s.reports[0].sampled == 0 and priv.recorded == [("fedlora", 1, 0, 0)]
+    assert all(v.abs().sum() > 0 for k, v in s.global_state.items() if "lora_B" in k)
+    s2 = make(FedLoRAStrategy, client_rate=1e-9)
+    before = {k: v.clone() for k, v in s2.global_state.items()}
+    run(s2, fake_client(), rounds=1)
+    assert all(torch.equal(before[k], s2.global_state[k]) for k in before)
+
+
+def test_refactor_every_schedule_and_head_aggregated():
+    s = build_strategy("fedpower", initial_state=initial_state(head=True), rank=r, client_rate=1.0,
+                       refactor_every=3, privacy=FixedPrivacy(clip=1.0, std=0.0))
+    assert [s.round_type(t) for t in range(1, 7)] == ["fedlora", "fedlora", "powerdp", "fedlora", "fedlora", "powerdp"]
+    head_before = s.global_state["classifier.weight"].clone()
+    run(s, fake_client(delta_scale=0.01), rounds=3)
+    assert not torch.equal(head_before, s.global_state["classifier.weight"])
+    # Head deltas are clipped together with the rest: the mean delta is small.
+    assert (s.global_state["classifier.weight"] - head_before).norm() <= 1.0 + 1e-5
+
+
+def test_build_strategy_rejects_unknown():
+    with pytest.raises(ValueError, match="unknown strategy"):
+        build_strategy("fedavg", initial_state=initial_state(), rank=r, client_rate=1.0)
+    with pytest.raises(ValueError, match="client_rate"):
+        make(FedLoRAStrategy, client_rate=1.5)
