@@ -111,7 +111,7 @@ PRODUCT_LABEL = (
 #: Default PLD discretisation (the spec uses 1e-4; 1e-3 is ~10x faster and within ~1e-3 rel.).
 DEFAULT_PLD_INTERVAL = 1e-3
 #: Cap on the number of grid points of ONE round's PLD (memory guard, spec section 5).
-DEFAULT_PLD_MAX_POINTS = 200_000
+DEFAULT_PLD_MAX_POINTS = 50_000
 
 
 class PrivacyBudgetExceeded(RuntimeError):
