@@ -37,7 +37,39 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 import numpy as np
-from opacus.accountants.analysis import rdp as _opacus_rdp
+
+
+def _load_opacus_rdp():
+    """opacus' RDP analysis module (``opacus.accountants.analysis.rdp``).
+
+    ``import opacus`` imports torch (several seconds). The RDP module itself only needs math,
+    numpy and scipy, so when torch is not loaded yet we execute the installed opacus file directly
+    under a private module name; otherwise (or if anything looks different) we import it normally.
+    """
+    import importlib.util
+    import os
+    import sys
+
+    if "opacus" not in sys.modules and "torch" not in sys.modules:
+        try:
+            spec = importlib.util.find_spec("opacus")
+            if spec is not None and spec.origin:
+                path = os.path.join(os.path.dirname(spec.origin), "accountants", "analysis", "rdp.py")
+                fspec = importlib.util.spec_from_file_location("_fedpower_opacus_rdp", path)
+                mod = importlib.util.module_from_spec(fspec)
+                fspec.loader.exec_module(mod)
+                if callable(getattr(mod, "compute_rdp", None)) and callable(
+                    getattr(mod, "get_privacy_spent", None)
+                ):
+                    return mod
+        except Exception:  # pragma: no cover - fall back to the regular import
+            pass
+    from opacus.accountants.analysis import rdp
+
+    return rdp
+
+
+_opacus_rdp = _load_opacus_rdp()
 
 __all__ = [
     "ORDERS",
@@ -48,6 +80,7 @@ __all__ = [
     "ACCOUNTANTS",
     "CALIBRATIONS",
     "METHOD_ROUND_TYPE",
+    "BLOCK_NAMES",
     "PAPER_LABEL",
     "PrivacyBudgetExceeded",
     "inclusion_probability",
@@ -98,6 +131,15 @@ METHOD_ROUND_TYPE = {
     "output-perturbation": "output",
 }
 
+#: Names of the released blocks per round type (same order as block_sensitivities / noise_stds).
+BLOCK_NAMES = {
+    "powerdp": ("B_tilde", "A_tilde"),
+    "fedlora": ("A_avg", "B_avg"),
+    "ffa": ("B_avg",),
+    "input": ("W",),
+    "output": ("A", "B"),
+}
+
 #: Round types whose released blocks have a sensitivity that does not depend on k.
 _K_INDEPENDENT = ("powerdp", "output")
 
@@ -110,8 +152,12 @@ PRODUCT_LABEL = (
 
 #: Default PLD discretisation (the spec uses 1e-4; 1e-3 is ~10x faster and within ~1e-3 rel.).
 DEFAULT_PLD_INTERVAL = 1e-3
-#: Cap on the number of grid points of ONE round's PLD (memory guard, spec section 5).
-DEFAULT_PLD_MAX_POINTS = 50_000
+#: Memory guard (spec section 5): refuse to build ONE round's PLD with more (estimated) grid points.
+DEFAULT_PLD_MAX_POINTS = 1_000_000
+#: Internal evaluations coarsen the interval for tiny noise (z < 0.3) so one round's PLD has at
+#: most max(this, points of a z = 0.3 PLD at the requested interval): keeps paper-mode evaluations
+#: (z ~ 0.05) at seconds instead of minutes/GBs. Never triggers for z >= 0.3.
+_AUTO_MAX_POINTS = 50_000
 
 
 class PrivacyBudgetExceeded(RuntimeError):
@@ -856,7 +902,7 @@ def _type_min_z(plan: PrivacyPlan, round_type: str, noise: tuple) -> float:
 
 def _type_pld(plan: PrivacyPlan, round_type: str, noise: tuple, vdi: float):
     kind, val = noise
-    max_pts = int(DEFAULT_PLD_MAX_POINTS * 1.01) + 1  # vdi is chosen by _safe_vdi beforehand
+    max_pts = DEFAULT_PLD_MAX_POINTS  # vdi is normally chosen by _safe_vdi beforehand
     if kind == "sigma" and _k_dependent(plan, round_type):
         std = float(val) * plan.clip
         zs = [_fixed_noise_z(plan, round_type, std, k) for k in range(1, plan.num_clients + 1)]
@@ -869,9 +915,14 @@ def _type_pld(plan: PrivacyPlan, round_type: str, noise: tuple, vdi: float):
                      value_discretization_interval=vdi, max_grid_points=max_pts)
 
 
+def _auto_vdi(z_min: float, vdi: float) -> float:
+    cap = max(_AUTO_MAX_POINTS, int(pld_grid_points(0.3, vdi)) + 1)
+    return safe_discretization_interval(z_min, vdi, cap)
+
+
 def _safe_vdi(plan: PrivacyPlan, types: Iterable[str], noise: tuple, vdi: float) -> float:
     zmin = min(_type_min_z(plan, rt, noise) for rt in types)
-    return safe_discretization_interval(zmin, vdi, DEFAULT_PLD_MAX_POINTS)
+    return _auto_vdi(zmin, vdi)
 
 
 def _pld_groups(plan: PrivacyPlan, counts: dict, noise: tuple, vdi: float) -> tuple:
@@ -928,25 +979,37 @@ def _evaluate(plan: PrivacyPlan, noise: tuple, *, accountant: str, trajectory: b
         traj_rdp[-1] = eps_rdp
     if accountant == "rdp":
         out["epsilon"], out["trajectory"], out["vdi"] = eps_rdp, traj_rdp, None
+        out["trajectory_accountant"] = "rdp"
         return out
     if vdi is None:
         vdi = _safe_vdi(plan, counts, noise, plan.pld_interval)
-    if vdi > plan.pld_interval:
+    coarsened = vdi > plan.pld_interval * (1 + 1e-12)
+    if coarsened:
         out["notes"].append(
             f"PLD memory guard: value_discretization_interval coarsened from {plan.pld_interval:g} "
             f"to {vdi:.3g} (still a pessimistic upper bound)"
         )
     plds, kcounts, keys = _pld_groups(plan, counts, noise, vdi)
-    eps_pld = pld_epsilon(_compose_counts(plds, kcounts), plan.delta)
-    traj = None
-    if trajectory:
-        traj, acc = [], None
+    traj, traj_acc = None, "pld"
+    if trajectory and not coarsened:
+        # Compose round by round in schedule order: exactly what PrivacyLedger does, so the
+        # ledger's epsilon after the planned rounds equals this one.
+        acc, traj = None, []
         for rt in schedule:
             p = plds[keys[rt]]
             acc = p if acc is None else acc.compose(p)
             traj.append(pld_epsilon(acc, plan.delta))
-        traj[-1] = eps_pld
+        eps_pld = traj[-1]
+    else:
+        eps_pld = pld_epsilon(_compose_counts(plds, kcounts), plan.delta)
+        if trajectory:
+            # Tiny noise: a round-by-round PLD trajectory (large-epsilon PLD queries) would take
+            # minutes. Report the RDP trajectory (valid, looser) and the final epsilon by PLD.
+            traj, traj_acc = list(traj_rdp), "rdp"
+            out["notes"].append("trajectory computed with RDP (PLD trajectory too expensive at this "
+                                "noise level); final epsilon by PLD")
     out["epsilon"], out["trajectory"], out["vdi"] = eps_pld, traj, vdi
+    out["trajectory_accountant"] = traj_acc
     return out
 
 
@@ -991,6 +1054,7 @@ class Calibration:
     best_order: Optional[float] = None
     true_epsilon: Optional[float] = None
     pld_interval: Optional[float] = None
+    trajectory_accountant: str = "rdp"
     notes: list = field(default_factory=list)
 
     def to_dict(self) -> dict:
@@ -1011,6 +1075,20 @@ class Calibration:
             return v
 
         return clean(asdict(self))
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Calibration":
+        """Inverse of :meth:`to_dict`."""
+        def unclean(v):
+            if isinstance(v, str) and v in ("inf", "-inf"):
+                return float(v)
+            if isinstance(v, list):
+                return [unclean(x) for x in v]
+            if isinstance(v, dict):
+                return {k: unclean(x) for k, x in v.items()}
+            return v
+        vals = {k: unclean(v) for k, v in d.items() if k in cls.__dataclass_fields__}
+        return cls(**vals)
 
 
 def _noise_tables(plan: PrivacyPlan, counts: dict, noise: tuple) -> tuple:
@@ -1086,6 +1164,7 @@ def _build(plan: PrivacyPlan, noise: tuple, mode: str, ev: dict) -> Calibration:
         best_order=None if math.isnan(ev["best_order"]) else float(ev["best_order"]),
         true_epsilon=float(ev["epsilon"]) if mode == "paper" else None,
         pld_interval=ev.get("vdi"),
+        trajectory_accountant=ev.get("trajectory_accountant", plan.accountant),
         notes=notes,
     )
 
@@ -1213,7 +1292,8 @@ def calibrate(plan: PrivacyPlan, *, rel_tol: float = 1e-5, orders: Sequence[floa
 
     if plan.accountant == "pld":
         z_rdp = z
-        vdi = safe_discretization_interval(0.5 * z_rdp, plan.pld_interval)
+        # PLD needs 5-9% less noise than RDP: the answer is near 0.9 z_rdp (search floor 0.5 z_rdp).
+        vdi = _auto_vdi(0.7 * z_rdp, plan.pld_interval)
 
         def eps_pld(zz: float) -> float:
             return _eps_pld_total(plan, counts, ("z", zz), vdi)
@@ -1247,6 +1327,14 @@ def calibrate(plan: PrivacyPlan, *, rel_tol: float = 1e-5, orders: Sequence[floa
 
     ev = _evaluate(plan, ("z", z), accountant=plan.accountant, trajectory=True, orders=ords,
                    vdi=vdi if plan.accountant == "pld" else None)
+    nudges = 0
+    while ev["epsilon"] > target and nudges < 50:
+        # PLD: round-by-round composition (what the ledger does) can differ from self_compose in
+        # the last digits; nudge z up so the ledger never stops before the planned T.
+        z *= 1.0 + rel_tol
+        nudges += 1
+        ev = _evaluate(plan, ("z", z), accountant=plan.accountant, trajectory=True, orders=ords,
+                       vdi=vdi if plan.accountant == "pld" else None)
     cal = _build(plan, ("z", z), "rigorous", ev)
     cal.notes = notes + cal.notes
     return cal
@@ -1303,18 +1391,24 @@ def _from_json_float(x) -> float:
 class PrivacyLedger:
     """Tracks the privacy actually spent by the rounds that happened.
 
-    Usage by the server, each round t::
+    Usage by the server, each round t (BEFORE releasing)::
 
         vec = ledger.rdp_for_round(round_type)
         if ledger.would_exceed(vec, round_type=round_type):
             stop training with ledger.exceed_message(round_type, t)
+        stds = ledger.noise_stds_for_round(round_type, k=k)   # realised k at sample level
         ... release ...
         ledger.record(round_type, ledger.z_for_round(round_type), vec, t, clients_sampled=k)
 
-    The budget is ``plan.epsilon`` (rigorous / fixed-z). In paper mode the planned TRUE epsilon of
-    the paper noise (``calibration.epsilon``) is used, so a paper run can proceed to T but not
-    past it. With ``accountant="pld"`` the decision uses the PLD of the history (same composition
-    as :func:`calibrate`); the RDP epsilon is always tracked too.
+    (or ``vec = ledger.assert_can_release(round_type, t)``, which raises
+    :class:`PrivacyBudgetExceeded`).
+
+    Budget: ``plan.epsilon`` in rigorous / fixed-z mode. In paper mode it is the planned TRUE
+    epsilon of the paper noise (``calibration.epsilon``, +1e-6 relative slack), so a paper run can
+    reach its planned T but not go past it. The RDP epsilon of the history is always tracked; with
+    ``accountant="pld"`` the decision uses the PLD of the history, composed round by round in the
+    same order (and with the same discretisation) as the calibration's trajectory, so the ledger
+    after the planned schedule equals ``calibration.epsilon``.
     """
 
     def __init__(self, plan: PrivacyPlan, calibration: Optional[Calibration] = None, *,
@@ -1325,15 +1419,18 @@ class PrivacyLedger:
         self.calibration = calibration if calibration is not None else calibrate(plan)
         self.orders = _orders_tuple(orders)
         if budget is None:
-            budget = self.calibration.epsilon if self.calibration.mode == "paper" else plan.epsilon
+            budget = (self.calibration.epsilon * (1 + 1e-6) if self.calibration.mode == "paper"
+                      else plan.epsilon)
         b = float(budget)
         if not (b > 0):
             raise ValueError(f"budget must be > 0, got {budget!r}")
         self.budget = b
         self.history: list = []
         self._rdp_sum = np.zeros(len(self.orders))
-        self._pld_counts: dict = {}
         self._pld_cache: dict = {}
+        self._pld_acc = None
+        self._pld_eps_val = 0.0
+        self._pending = None  # (n_history, key, composed pld, eps) from the last would_exceed
         self._vdi = self.calibration.pld_interval or plan.pld_interval
 
     # ---- noise of a round ------------------------------------------------------------------
@@ -1347,7 +1444,7 @@ class PrivacyLedger:
         return _type_z(self.plan, _check_round_type(round_type), self._noise(round_type, None))
 
     def noise_stds_for_round(self, round_type: str, k: Optional[int] = None) -> list:
-        """Per-block noise std the server must use this round (realised k at sample level)."""
+        """Per-block noise std the server must use this round (pass the realised k at sample level)."""
         rt = _check_round_type(round_type)
         if self.calibration.mode == "paper":
             n = len(block_sensitivities(rt, self.plan.level, self.plan.clip, rank=self.plan.rank,
@@ -1357,22 +1454,27 @@ class PrivacyLedger:
                           rank=self.plan.rank, num_modules=self.plan.num_modules)
 
     def rdp_for_round(self, round_type: str, z: Optional[float] = None) -> np.ndarray:
-        """Per-round RDP curve of a round of this type under the plan (rigorous: any type, same z)."""
+        """Per-round RDP curve of a round of this type under the plan (rigorous: same for all types)."""
         rt = _check_round_type(round_type)
         return _type_rdp(self.plan, rt, self._noise(rt, z), self.orders)
 
     # ---- PLD of the history ----------------------------------------------------------------
-    def _pld_key_and_build(self, round_type: str, z: Optional[float]):
+    def _pld_key(self, round_type: str, z: Optional[float]) -> tuple:
         noise = self._noise(round_type, z)
         key = _type_pld_key(self.plan, round_type, noise)
         if key not in self._pld_cache:
             self._pld_cache[key] = _type_pld(self.plan, round_type, noise, self._vdi)
         return key
 
-    def _pld_eps(self, counts: dict) -> float:
-        if not counts or all(n == 0 for n in counts.values()):
-            return 0.0
-        return pld_epsilon(_compose_counts(self._pld_cache, counts), self.plan.delta)
+    def _candidate(self, key: tuple) -> tuple:
+        n = len(self.history)
+        if self._pending is not None and self._pending[0] == n and self._pending[1] == key:
+            return self._pending[2], self._pending[3]
+        p = self._pld_cache[key]
+        cand = p if self._pld_acc is None else self._pld_acc.compose(p)
+        eps = pld_epsilon(cand, self.plan.delta)
+        self._pending = (n, key, cand, eps)
+        return cand, eps
 
     # ---- queries ---------------------------------------------------------------------------
     def epsilon_rdp(self) -> tuple:
@@ -1385,24 +1487,29 @@ class PrivacyLedger:
         """epsilon spent so far by PLD composition of the history (None unless accountant is pld)."""
         if self.plan.accountant != "pld":
             return None
-        return self._pld_eps(self._pld_counts)
+        return float(self._pld_eps_val)
 
     def epsilon(self) -> float:
         """epsilon spent so far under the plan's accountant."""
         if self.plan.accountant == "pld":
-            return float(self.epsilon_pld())
+            return float(self._pld_eps_val)
         return float(self.epsilon_rdp()[0])
 
     @property
     def rounds_recorded(self) -> int:
         return len(self.history)
 
+    def _next_type(self) -> str:
+        sched = self.plan.schedule
+        t = len(self.history)
+        return sched[t] if t < len(sched) else sched[-1]
+
     def epsilon_if_released(self, round_rdp_vec: Sequence[float], *, round_type: Optional[str] = None,
                             z: Optional[float] = None) -> float:
         """epsilon after one more release with per-round RDP ``round_rdp_vec``.
 
         With the PLD accountant the round's PLD is built from ``round_type`` (default: the next
-        scheduled type, or the plan's last type past T) and ``z`` (default: calibrated z).
+        scheduled type; past T the last scheduled type) and ``z`` (default: the calibrated z).
         """
         vec = np.asarray(round_rdp_vec, dtype=float)
         if vec.shape != (len(self.orders),):
@@ -1410,19 +1517,12 @@ class PrivacyLedger:
         if self.plan.accountant == "rdp":
             return rdp_to_epsilon(self._rdp_sum + vec, self.plan.delta, self.orders)[0]
         rt = _check_round_type(round_type) if round_type is not None else self._next_type()
-        key = self._pld_key_and_build(rt, z)
-        counts = dict(self._pld_counts)
-        counts[key] = counts.get(key, 0) + 1
-        return self._pld_eps(counts)
-
-    def _next_type(self) -> str:
-        sched = self.plan.schedule
-        t = len(self.history)
-        return sched[t] if t < len(sched) else sched[-1]
+        return self._candidate(self._pld_key(rt, z))[1]
 
     def would_exceed(self, round_rdp_vec: Sequence[float], *, round_type: Optional[str] = None,
                      z: Optional[float] = None) -> bool:
         """True if releasing one more round would make the spent epsilon exceed the budget."""
+        # 1e-9 relative slack: float noise between composition orders, far below PLD/RDP accuracy.
         return self.epsilon_if_released(round_rdp_vec, round_type=round_type, z=z) > self.budget * (1 + 1e-9)
 
     def exceed_message(self, round_type: str, round_index: int) -> str:
@@ -1432,7 +1532,7 @@ class PrivacyLedger:
             f"privacy budget exhausted: releasing round {round_index} ({round_type}) would raise epsilon "
             f"from {self.epsilon():.4f} to {e_next:.4f} > budget {self.budget:.4f} "
             f"(delta={self.plan.delta:g}, {self.plan.level} level, {self.plan.accountant}); "
-            f"stopping after {len(self.history)} rounds"
+            f"stopping after {len(self.history)} released rounds"
         )
 
     def assert_can_release(self, round_type: str, round_index: int) -> np.ndarray:
@@ -1445,7 +1545,7 @@ class PrivacyLedger:
     # ---- updates ---------------------------------------------------------------------------
     def record(self, round_type: str, z: float, rdp_vec: Sequence[float], round_index: int,
                clients_sampled: Optional[int] = None) -> float:
-        """Record a round that WAS released. Returns epsilon spent so far."""
+        """Record a round that WAS released (noise is released even when k = 0). Returns epsilon."""
         rt = _check_round_type(round_type)
         vec = np.asarray(rdp_vec, dtype=float)
         if vec.shape != (len(self.orders),):
@@ -1457,25 +1557,30 @@ class PrivacyLedger:
             raise ValueError(f"round_index must be an integer, got {round_index!r}")
         if clients_sampled is not None and (not _is_int(clients_sampled) or int(clients_sampled) < 0):
             raise ValueError(f"clients_sampled must be a non-negative integer, got {clients_sampled!r}")
-        self._rdp_sum = self._rdp_sum + vec
-        # PLD key: rigorous mode uses the recorded z; paper mode the calibrated sigma_alg.
-        z_key = zz if self.calibration.mode != "paper" else None
         entry = {
             "round_index": int(round_index),
             "round_type": rt,
-            "z": z_key if z_key is not None else zz,
+            "z": zz,
             "clients_sampled": None if clients_sampled is None else int(clients_sampled),
         }
+        self._apply(entry, vec)
+        entry["epsilon"] = self.epsilon()
+        return entry["epsilon"]
+
+    def _apply(self, entry: dict, vec: Optional[np.ndarray]) -> None:
         if self.plan.accountant == "pld":
-            key = self._pld_key_and_build(rt, z_key)
-            self._pld_counts[key] = self._pld_counts.get(key, 0) + 1
-        eps = self.epsilon()
-        entry["epsilon"] = eps
+            # rigorous / fixed-z: the PLD of the recorded z; paper mode: the calibrated sigma_alg.
+            z_key = entry["z"] if self.calibration.mode != "paper" else None
+            cand, eps = self._candidate(self._pld_key(entry["round_type"], z_key))
+            self._pld_acc, self._pld_eps_val = cand, eps
+        self._pending = None
+        if vec is not None:
+            self._rdp_sum = self._rdp_sum + vec
         self.history.append(entry)
-        return eps
 
     # ---- checkpointing ---------------------------------------------------------------------
     def state_dict(self) -> dict:
+        """JSON-able state (strict JSON: inf is stored as the string "inf")."""
         return {
             "version": 1,
             "plan": self.plan.to_dict(),
@@ -1487,6 +1592,7 @@ class PrivacyLedger:
         }
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore the history saved by :meth:`state_dict` (the plan must be identical)."""
         if not isinstance(state, dict) or state.get("version") != 1:
             raise ValueError("not a PrivacyLedger state dict (version 1)")
         if state.get("plan") != self.plan.to_dict():
@@ -1494,22 +1600,20 @@ class PrivacyLedger:
         if [float(a) for a in state["orders"]] != list(self.orders):
             raise ValueError("ledger state uses different RDP orders")
         self.budget = float(state["budget"])
+        self.history = []
+        self._rdp_sum = np.zeros(len(self.orders))
+        self._pld_acc, self._pld_eps_val, self._pending = None, 0.0, None
+        for e in state["history"]:
+            self._apply(dict(e), None)  # replays the PLD composition (if any)
         self._rdp_sum = np.array([_from_json_float(x) for x in state["rdp_sum"]], dtype=float)
-        self.history = [dict(e) for e in state["history"]]
-        self._pld_counts = {}
-        if self.plan.accountant == "pld":
-            for e in self.history:
-                z_key = e["z"] if self.calibration.mode != "paper" else None
-                key = self._pld_key_and_build(e["round_type"], z_key)
-                self._pld_counts[key] = self._pld_counts.get(key, 0) + 1
+        if self._rdp_sum.shape != (len(self.orders),):
+            raise ValueError("ledger state rdp_sum does not match the RDP orders")
 
     @classmethod
     def from_state_dict(cls, state: dict, calibration: Optional[Calibration] = None) -> "PrivacyLedger":
+        """Rebuild a ledger (plan + calibration + history) from :meth:`state_dict` output."""
         plan = PrivacyPlan(**state["plan"])
-        cal = calibration
-        if cal is None:
-            cal = Calibration(**{k: v for k, v in state["calibration"].items()})
-            cal.z = _from_json_float(cal.z)
+        cal = calibration if calibration is not None else Calibration.from_dict(state["calibration"])
         ledger = cls(plan, cal, budget=float(state["budget"]))
         ledger.load_state_dict(state)
         return ledger

@@ -130,6 +130,7 @@ def build_model(cfg: RunConfig, num_labels: int):
 
 
 _MODELS: dict[tuple, object] = {}
+_INITIAL_STATES: dict[tuple, dict] = {}
 
 
 def model_cache_key(cfg: RunConfig, num_labels: int) -> tuple:
@@ -143,8 +144,18 @@ def cached_model(cfg: RunConfig, num_labels: int):
     key = model_cache_key(cfg, num_labels)
     if key not in _MODELS:
         _MODELS.clear()  # one model per process: a new configuration replaces the old one
-        _MODELS[key] = build_model(cfg, num_labels).to(resolve_device(cfg["device"]))
+        _INITIAL_STATES.clear()
+        model = build_model(cfg, num_labels)
+        _INITIAL_STATES[key] = adapter_state(model)
+        _MODELS[key] = model.to(resolve_device(cfg["device"]))
     return _MODELS[key]
+
+
+def initial_adapter_state(cfg: RunConfig, num_labels: int) -> dict[str, torch.Tensor]:
+    """The seeded initial adapters (a copy taken at build time: the cached model is mutated by
+    every round, so its current state is not the initial one)."""
+    cached_model(cfg, num_labels)
+    return {k: v.clone() for k, v in _INITIAL_STATES[model_cache_key(cfg, num_labels)].items()}
 
 
 # ------------------------------------------------------------------------------------------

@@ -112,7 +112,7 @@ def _run(grid: Grid, cfg: RunConfig, run_dir: Path, results: ResultsWriter) -> N
     model = M.cached_model(cfg, task.num_labels)
     tokenizer = M.load_tokenizer(cfg["model.name"])
     splits = D.eval_splits(cfg, tokenizer)
-    initial_state = M.adapter_state(model)
+    initial_state = M.initial_adapter_state(cfg, task.num_labels)
     modules, extras = M.split_adapter_keys(initial_state)
     log.info("task %s: %d train / %s eval examples; model %s, %d LoRA modules (rank %d)%s",
              task.name, len(task.train), ", ".join(f"{k} {len(v)}" for k, v in splits.items()),

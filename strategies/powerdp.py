@@ -33,7 +33,8 @@ from typing import Callable
 
 import torch
 
-# A Gaussian sampler: (shape, std, generator) -> tensor. ``NoiseSource.gaussian`` fits.
+# A Gaussian sampler: (shape, std, generator) -> tensor. ``NoiseSource.gaussian`` fits. It must
+# return a fresh tensor: PowerDP adds the released block into it in place.
 GaussianSampler = Callable[..., torch.Tensor]
 
 
@@ -49,7 +50,7 @@ def orthonormalize_columns(P: torch.Tensor) -> torch.Tensor:
     Q, R = torch.linalg.qr(P, mode="reduced")
     signs = torch.sign(torch.diagonal(R, dim1=-2, dim2=-1))
     signs = torch.where(signs == 0, torch.ones_like(signs), signs)
-    return Q * signs.unsqueeze(-2)
+    return Q.mul_(signs.unsqueeze(-2))  # Q is a fresh output of qr: scale in place
 
 
 def orthonormalize_rows(A: torch.Tensor) -> torch.Tensor:
@@ -68,6 +69,9 @@ class _Dense:
     def right(self, Qt: torch.Tensor) -> torch.Tensor:  # W @ Qt, Qt (M, n, r)
         return self.W @ Qt
 
+    def right_rows(self, Q: torch.Tensor) -> torch.Tensor:  # (W @ Q^T)^T as a (M, r, m) view
+        return (self.W @ Q.transpose(-1, -2)).transpose(-1, -2)
+
     def left(self, Pt: torch.Tensor) -> torch.Tensor:  # Pt @ W, Pt (M, r, m)
         return Pt @ self.W
 
@@ -79,10 +83,16 @@ class _Factored:
         self.Bs, self.As = Bs, As
         self.shape = (*Bs.shape[:-1], As.shape[-1])  # (M, m, n)
 
+    # Products are taken in "row" form: every batched GEMM has a short side of r or R and a long
+    # output side of m or n, the layout MKL/cuBLAS handle fastest (a tall m x r output from
+    # (m x R) @ (R x r) is several times slower on CPU). Same values, different association.
     def right(self, Qt: torch.Tensor) -> torch.Tensor:
-        return self.Bs @ (self.As @ Qt)
+        return self.right_rows(Qt.transpose(-1, -2)).transpose(-1, -2)
 
-    def left(self, Pt: torch.Tensor) -> torch.Tensor:
+    def right_rows(self, Q: torch.Tensor) -> torch.Tensor:  # Q W^T = (Q As^T) Bs^T, (M, r, m)
+        return (Q @ self.As.transpose(-1, -2)) @ self.Bs.transpose(-1, -2)
+
+    def left(self, Pt: torch.Tensor) -> torch.Tensor:  # P^T W = (P^T Bs) As, (M, r, n)
         return (Pt @ self.Bs) @ self.As
 
 
@@ -90,6 +100,13 @@ def _operator(W=None, factors=None):
     if (W is None) == (factors is None):
         raise ValueError("give exactly one of W (dense) or factors=(Bs, As)")
     return _Dense(W) if W is not None else _Factored(*factors)
+
+
+def _add_noise(X: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """X + noise as a contiguous tensor (in place into ``noise`` when it is a fresh, matching tensor)."""
+    if noise.shape == X.shape and noise.dtype == X.dtype and noise.is_contiguous() and noise.data_ptr() != X.data_ptr():
+        return noise.add_(X)
+    return (X + noise).contiguous()
 
 
 def _random_start(shape, rank, generator, dtype, device) -> torch.Tensor:
@@ -127,10 +144,10 @@ def power_iteration(
     dtype, device = _dtype_device(W, factors)
     Q = _random_start(op.shape, rank, generator, dtype, device)
     for _ in range(iters):
-        P = orthonormalize_columns(op.right(Q.transpose(-1, -2)))
-        Q = op.left(P.transpose(-1, -2))
+        Pt = orthonormalize_rows(op.right_rows(Q))  # = orth_cols(W Q^T)^T
+        Q = op.left(Pt)
     A = orthonormalize_rows(Q)
-    B = op.right(A.transpose(-1, -2))
+    B = op.right_rows(A).transpose(-1, -2).contiguous()
     return B, A
 
 
@@ -157,13 +174,16 @@ def powerdp(
     Q = _random_start(op.shape, rank, generator, dtype, device)
     A = None
     for _ in range(iters):
-        P = orthonormalize_columns(op.right(Q.transpose(-1, -2)))
-        A = op.left(P.transpose(-1, -2))
+        Pt = orthonormalize_rows(op.right_rows(Q))  # = orth_cols(W Q^T)^T
+        A = op.left(Pt)
+        del Pt  # free (M, r, m) before the QR below allocates: keeps the server peak low
         Q = orthonormalize_rows(A)
-    B = op.right(Q.transpose(-1, -2))
+    B = op.right_rows(Q).transpose(-1, -2)  # (M, m, r) view
+    del Q, op
     # Fresh noise for each released block, drawn in a fixed order: B~ first, then A~.
-    B_tilde = B + sample(tuple(B.shape), noise_std, generator, dtype=dtype, device=device)
-    A_noisy = A + sample(tuple(A.shape), noise_std, generator, dtype=dtype, device=device)
+    # noise + B == B + noise exactly; adding into the fresh noise tensor saves a copy.
+    B_tilde = _add_noise(B, sample(tuple(B.shape), noise_std, generator, dtype=dtype, device=device))
+    A_noisy = _add_noise(A, sample(tuple(A.shape), noise_std, generator, dtype=dtype, device=device))
     return B_tilde, orthonormalize_rows(A_noisy)
 
 

@@ -1,0 +1,394 @@
+"""Targets 3 and 4: end-to-end rounds at the CPU preset.
+
+* ``flwr run`` (managed local SuperLink, Ray simulation) with FedPower (F = 1) and FedLoRA, same
+  seeds; per-round times and server aggregation times come from ``results.json``.
+* A bare in-process loop doing the same client work with no Flower and no Ray: the same shards,
+  the same number of sampled clients per round (same sampling coins), the same local steps and
+  batches (same example-sampling generators), the same release math and the same central
+  evaluation, in one process.
+* Optionally the real ServerApp + ClientApp code driven by an in-process Grid (Flower Message
+  objects and ArrayRecords, but no Ray and no SuperLink), to split the framework overhead.
+
+The CPU preset is pyproject.toml's defaults (synthetic task, MiniLM, 6 silos, client rate 0.5,
+5 local steps of 32, DP at sample level) with fewer rounds.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import socket
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+from .common import PROJECT_ROOT, median
+
+NUM_SUPERNODES = 6
+_INITIAL_ADAPTERS: dict = {}  # cache key -> the seeded initial adapters of this process's cached model
+
+
+def _fresh_model(cfg, num_labels):
+    """The process-cached model with its adapters reset to the seeded initial state."""
+    from fedpower_app import model as M
+
+    model = M.cached_model(cfg, num_labels)
+    key = M.model_cache_key(cfg, num_labels)
+    if key not in _INITIAL_ADAPTERS:
+        _INITIAL_ADAPTERS[key] = M.adapter_state(model)
+    M.load_adapter_state(model, _INITIAL_ADAPTERS[key])
+    return model
+
+
+# ----------------------------------------------------------------------------------------------
+# flwr run
+# ----------------------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _pids_with(needle: str) -> list[int]:
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if needle in cmd:
+                out.append(int(d.name))
+    return out
+
+
+class FlwrSession:
+    """A private FLWR_HOME and private SuperLink ports, so concurrent users of this machine's
+    default local SuperLink (127.0.0.1:39091) are neither reused nor disturbed. The managed
+    SuperLink this session starts is stopped by PID at the end."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.home = workdir / "flwr-home"
+        self.http_port, self.control_port = _free_port(), _free_port()
+        self.env_backup = {k: os.environ.get(k) for k in ("FLWR_LOCAL_SUPERLINK_HTTP_API_PORT",
+                                                          "FLWR_LOCAL_CONTROL_API_PORT", "PATH")}
+
+    def __enter__(self):
+        os.environ["FLWR_LOCAL_SUPERLINK_HTTP_API_PORT"] = str(self.http_port)
+        os.environ["FLWR_LOCAL_CONTROL_API_PORT"] = str(self.control_port)
+        # `flwr run` spawns `flower-superlink` by name: make the venv's bin dir visible.
+        bindir = str(Path(sys.executable).parent)
+        if bindir not in os.environ.get("PATH", "").split(os.pathsep):
+            os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
+        return self
+
+    def __exit__(self, *exc):
+        for pid in _pids_with(f"--port {self.http_port}"):
+            if "flower-superlink" in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"):
+                try:
+                    os.kill(pid, 15)
+                except OSError:
+                    pass
+        for k, v in self.env_backup.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def flwr_case(session: FlwrSession, overrides: dict, out_dir: Path, log_path: Path, timeout: float) -> dict:
+    from fedpower_app.launcher import run_flwr
+
+    run_name = f"bench-{overrides['strategy.name']}-{uuid.uuid4().hex[:6]}"
+    ov = {**overrides, "run-name": run_name, "output-dir": str(out_dir)}
+    t0 = time.perf_counter()
+    outcome = run_flwr(PROJECT_ROOT, ov, num_supernodes=NUM_SUPERNODES, flwr_home=session.home, echo=False,
+                       timeout=timeout)
+    total = time.perf_counter() - t0
+    log_path.write_text(outcome.output)
+    res_path = out_dir / run_name / "results.json"
+    if not outcome.ok or not res_path.exists():
+        return {"ok": False, "status": outcome.status, "seconds": total, "log": str(log_path)}
+    data = json.loads(res_path.read_text())
+    rounds = data["rounds"]
+    walls = [r["wall_seconds"] for r in rounds]
+    per_round = [walls[0]] + [b - a for a, b in zip(walls, walls[1:])]
+    return {
+        "ok": True, "status": outcome.status, "process_seconds": total, "log": str(log_path),
+        "results": str(res_path),
+        "round_seconds": per_round,  # round 1 includes Ray actors loading the model (startup)
+        "rounds_wall_seconds": walls[-1],  # initial eval + all rounds (excludes SuperLink/Ray/ServerApp startup)
+        "aggregation_seconds": [r["aggregation_seconds"] for r in rounds],
+        "sampled": [r["sampled"] for r in rounds],
+        "accuracy": [r.get("accuracy") for r in rounds],
+    }
+
+
+# ----------------------------------------------------------------------------------------------
+# Bare in-process loop (no Flower, no Ray)
+# ----------------------------------------------------------------------------------------------
+def bare_loop(overrides: dict, device_name: str) -> dict:
+    """The same client and server work as a flwr run, in one process, with no framework."""
+    import torch
+
+    from fedpower_app import data as D
+    from fedpower_app import model as M
+    from fedpower_app.config import parse_config
+    from fedpower_app.privacy import build_privacy
+    from fedpower_app.training import evaluate as evaluate_model
+    from fedpower_app.training import train_local
+    from strategies import AdapterUpdate, ReleaseContext, fedlora_release, fedpower_release, group_modules
+    from strategies.noise import NoiseSource
+
+    cfg = parse_config({**overrides, "device": device_name})
+    n = NUM_SUPERNODES
+    task = D.load_task(cfg)
+    model = _fresh_model(cfg, task.num_labels)
+    device = next(model.parameters()).device
+    tok = M.load_tokenizer(cfg["model.name"])
+    shards = [D.client_shard(cfg, tok, pid, n) for pid in range(n)]
+    splits = D.eval_splits(cfg, tok)
+    global_state = M.adapter_state(model)
+    modules, extras = M.split_adapter_keys(global_state)
+    privacy = build_privacy(cfg, client_sizes=[len(s) for s in shards], num_modules=len(modules))
+    noise = NoiseSource(cfg["seed"], cfg["dp.noise"])
+    shapes = {}
+    for name in modules:
+        r_, n_ = global_state[name + M.LORA_A].shape
+        m_, _ = global_state[name + M.LORA_B].shape
+        shapes[name] = (m_, n_, r_)
+    ctx = ReleaseContext(groups=group_modules(shapes), extra_shapes={k: tuple(global_state[k].shape) for k in extras},
+                         clip=privacy.clip if privacy.enabled else float("inf"), rank=cfg["lora.rank"],
+                         power_iters=cfg["strategy.power-iters"], noise=noise, factored=True, device=device)
+    method = cfg["strategy.name"]
+    rounds = cfg["num-server-rounds"]
+
+    def central_eval():
+        M.load_adapter_state(model, global_state)
+        return [evaluate_model(model, s, batch_size=cfg["eval.batch-size"], device=device) for s in splits.values()]
+
+    t_start = time.perf_counter()
+    central_eval()  # round 0, as the ServerApp does
+    round_s, agg_s, train_s, eval_s, sampled_n = [], [], [], [], []
+    last = time.perf_counter()
+    for rnd in range(1, rounds + 1):
+        coins = noise.bernoulli(n, cfg["strategy.client-rate"], noise.generator("client-sampling", rnd))
+        sampled = [pid for pid, c in enumerate(coins.tolist()) if c]
+        round_type = "powerdp" if method == "fedpower" else "fedlora"
+        privacy.check(round_type, rnd)
+        t_tr = time.perf_counter()
+        updates = []
+        for pid in sampled:
+            M.load_adapter_state(model, global_state)
+            M.set_trainable(model, train_a=True, train_b=True)
+            gen = noise.generator(f"example-sampling/{pid}", rnd)
+            train_local(model, shards[pid], steps=cfg["train.local-steps"], batch_size=cfg["train.batch-size"],
+                        lr=cfg["train.lr"], generator=gen, poisson=(cfg["dp.level"] == "sample"), device=device)
+            st = M.adapter_state(model)
+            updates.append(AdapterUpdate(A={m: st[m + M.LORA_A] for m in modules}, B={m: st[m + M.LORA_B] for m in modules},
+                                         extra={k: st[k] - global_state[k] for k in extras}))
+        train_s.append(time.perf_counter() - t_tr)
+        t_agg = time.perf_counter()
+        stds = privacy.noise_stds(round_type, len(updates))
+        g = noise.generator("release", rnd, device=device)
+        if round_type == "powerdp":
+            rel = fedpower_release(updates, ctx, stds[0], g)
+        else:
+            rel = fedlora_release(updates, ctx, stds[0], stds[1], g)
+        for name, A in rel.A.items():
+            global_state[name + M.LORA_A] = A.detach().to("cpu", torch.float32)
+        for name, B in rel.B.items():
+            global_state[name + M.LORA_B] = B.detach().to("cpu", torch.float32)
+        for k, dlt in rel.extra_delta.items():
+            global_state[k] = global_state[k] + dlt.detach().to("cpu", torch.float32)
+        agg_s.append(time.perf_counter() - t_agg)
+        privacy.record(round_type, rnd, len(sampled), len(updates))
+        t_ev = time.perf_counter()
+        if rnd % cfg["eval.every"] == 0 or rnd == rounds:
+            central_eval()
+        eval_s.append(time.perf_counter() - t_ev)
+        now = time.perf_counter()
+        round_s.append(now - last)
+        last = now
+        sampled_n.append(len(sampled))
+    return {"round_seconds": round_s, "aggregation_seconds": agg_s, "train_seconds": train_s, "eval_seconds": eval_s,
+            "sampled": sampled_n, "rounds_wall_seconds": time.perf_counter() - t_start,
+            "torch_threads": torch.get_num_threads()}
+
+
+# ----------------------------------------------------------------------------------------------
+# Real ServerApp/ClientApp code on an in-process Grid (Flower messages, no Ray, no SuperLink)
+# ----------------------------------------------------------------------------------------------
+def inprocess_flower(overrides: dict, device_name: str, out_dir: Path) -> dict:
+    from flwr.app import Context, Error, Message, RecordDict
+    from flwr.serverapp import Grid
+    from flwr.supercore.run import Run
+    from flwr.supercore.task_identity import TaskIdentity
+
+    from client_app.app import app as client_app
+    from fedpower_app.config import parse_config
+    from fedpower_app.results import ResultsWriter
+    from server_app.app import _run
+
+    class _Grid(Grid):
+        """Delivers messages to the ClientApp synchronously; copies content like a real transport."""
+
+        def __init__(self, num_nodes, run_config):
+            TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 1, 1
+            self._run = Run.create_empty(run_id=1)
+            self.node_ids = [100 + i for i in range(num_nodes)]
+            self._ctx = {nid: Context(run_id=1, node_id=nid, node_config={"partition-id": i, "num-partitions": num_nodes},
+                                      state=RecordDict(), run_config=dict(run_config)) for i, nid in enumerate(self.node_ids)}
+            self._replies = {}
+
+        def set_run(self, run_id):
+            self._run = Run.create_empty(run_id=run_id)
+
+        @property
+        def run(self):
+            return self._run
+
+        def create_message(self, content, message_type, dst_node_id, group_id, ttl=None):
+            return Message(content, dst_node_id, message_type, ttl=ttl, group_id=group_id)
+
+        def get_node_ids(self):
+            return list(self.node_ids)
+
+        def push_messages(self, messages):
+            ids = []
+            for msg in messages:
+                mid = uuid.uuid4().hex
+                msg.metadata.__dict__["_message_id"] = mid
+                dst = msg.metadata.dst_node_id
+                delivered = Message(copy.deepcopy(msg.content), dst, msg.metadata.message_type)
+                delivered.metadata.__dict__["_message_id"] = mid
+                try:
+                    reply = client_app(delivered, self._ctx[dst])
+                except Exception as exc:  # pragma: no cover
+                    reply = Message(Error(code=2, reason=repr(exc)), reply_to=delivered)
+                reply.metadata.__dict__["_src_node_id"] = dst
+                self._replies[mid] = reply
+                ids.append(mid)
+            return ids
+
+        def pull_messages(self, message_ids):
+            return [r for i in message_ids if (r := self._replies.pop(i, None)) is not None]
+
+        def send_and_receive(self, messages, *, timeout=None):
+            return self.pull_messages(self.push_messages(messages))
+
+    run_name = f"inproc-{overrides['strategy.name']}-{uuid.uuid4().hex[:6]}"
+    run_config = {**overrides, "device": device_name, "run-name": run_name, "output-dir": str(out_dir)}
+    cfg = parse_config(run_config)
+    from fedpower_app.data import load_task
+
+    _fresh_model(cfg, load_task(cfg).num_labels)
+    run_dir = out_dir / run_name
+    results = ResultsWriter(run_dir, cfg.to_dict())
+    _run(_Grid(NUM_SUPERNODES, run_config), cfg, run_dir, results)
+    rounds = results.data["rounds"]
+    walls = [r["wall_seconds"] for r in rounds]
+    return {"round_seconds": [walls[0]] + [b - a for a, b in zip(walls, walls[1:])],
+            "aggregation_seconds": [r["aggregation_seconds"] for r in rounds],
+            "sampled": [r["sampled"] for r in rounds], "rounds_wall_seconds": walls[-1]}
+
+
+# ----------------------------------------------------------------------------------------------
+# Suite
+# ----------------------------------------------------------------------------------------------
+def _steady(xs: list[float]) -> float:
+    """Median per-round time excluding round 1 (warm-up: model loads, first-touch allocations)."""
+    return median(xs[1:] if len(xs) > 1 else xs)
+
+
+def _per_client(res: dict) -> float:
+    """Median over rounds >= 2 of round time per sampled client (rounds differ in client count)."""
+    vals = [t / max(1, k) for t, k in zip(res["round_seconds"][1:], res["sampled"][1:])]
+    return median(vals) if vals else float("nan")
+
+
+def run(*, rounds: int, device, only: set[str], workdir: Path | None = None, timeout: float = 900, log=print,
+        inprocess: bool = True):
+    """Targets 3 (``e2e``) and 4 (``framework``). Returns (rows, data)."""
+    from .common import Row
+
+    workdir = Path(workdir or tempfile.mkdtemp(prefix="fedpower-bench-"))
+    out_dir = workdir / "outputs"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    base = {"num-server-rounds": rounds, "seed": 0, "strategy.refactor-every": 1}
+    fp = {**base, "strategy.name": "fedpower"}
+    fl = {**base, "strategy.name": "fedlora"}
+    dev = "cuda" if device.type == "cuda" else "cpu"
+    data: dict = {"rounds": rounds, "supernodes": NUM_SUPERNODES, "workdir": str(workdir)}
+    rows: list[Row] = []
+
+    # Warm the token cache and the model files once so no measured run pays for tokenisation.
+    log("[e2e] warm-up: tokenise shards, load model (not timed)")
+    bare_loop({**fp, "num-server-rounds": 1}, dev)
+
+    # Order: flwr FedPower, bare FedPower, bare FedLoRA, flwr FedLoRA (ABBA: drift hits both alike).
+    with FlwrSession(workdir) as session:
+        log(f"[e2e] flwr run, FedPower F=1, {rounds} rounds, {NUM_SUPERNODES} supernodes (private SuperLink port {session.http_port})")
+        data["flwr_fedpower"] = flwr_case(session, fp, out_dir, workdir / "flwr-fedpower.log", timeout)
+        log(f"    -> {_brief(data['flwr_fedpower'])}")
+        log("[e2e] bare in-process loop, FedPower")
+        data["bare_fedpower"] = bare_loop(fp, dev)
+        log(f"    -> {_brief(data['bare_fedpower'])}")
+        if "e2e" in only:
+            log("[e2e] bare in-process loop, FedLoRA")
+            data["bare_fedlora"] = bare_loop(fl, dev)
+            log(f"    -> {_brief(data['bare_fedlora'])}")
+        if inprocess and "framework" in only:
+            log("[e2e] ServerApp + ClientApp on an in-process Grid (Flower messages, no Ray), FedPower")
+            data["inprocess_flower_fedpower"] = inprocess_flower(fp, dev, out_dir)
+            log(f"    -> {_brief(data['inprocess_flower_fedpower'])}")
+        if "e2e" in only:
+            log(f"[e2e] flwr run, FedLoRA, {rounds} rounds")
+            data["flwr_fedlora"] = flwr_case(session, fl, out_dir, workdir / "flwr-fedlora.log", timeout)
+            log(f"    -> {_brief(data['flwr_fedlora'])}")
+
+    ffp, bfp = data["flwr_fedpower"], data["bare_fedpower"]
+    if "e2e" in only:
+        bfl, ffl = data["bare_fedlora"], data["flwr_fedlora"]
+        if ffp.get("ok") and ffl.get("ok"):
+            a, b = ffl["rounds_wall_seconds"], ffp["rounds_wall_seconds"]
+            agg_fp, agg_fl = sum(ffp["aggregation_seconds"]), sum(ffl["aggregation_seconds"])
+            rows.append(Row("3", f"flwr run, {rounds} rounds, CPU preset", "FedLoRA total", "FedPower F=1 total", a, b,
+                            b / a, "time ratio", "<= 1.02", b / a <= 1.02,
+                            note=f"server aggregation share: FedPower {agg_fp / b:.2%}, FedLoRA {agg_fl / a:.2%} of wall; "
+                                 f"refactorisation overhead from aggregation times alone = {(agg_fp - agg_fl) / a:+.2%}"))
+        a, b = bfl["rounds_wall_seconds"], bfp["rounds_wall_seconds"]
+        agg_fp, agg_fl = sum(bfp["aggregation_seconds"]), sum(bfl["aggregation_seconds"])
+        rows.append(Row("3", f"in-process loop, {rounds} rounds, CPU preset", "FedLoRA total", "FedPower F=1 total", a, b,
+                        b / a, "time ratio", "<= 1.02", b / a <= 1.02,
+                        note=f"aggregation: FedPower {agg_fp:.3f} s ({agg_fp / b:.2%}), FedLoRA {agg_fl:.3f} s "
+                             f"({agg_fl / a:.2%}); deterministic overhead (agg diff / total) {(agg_fp - agg_fl) / a:+.2%}"))
+    if "framework" in only and ffp.get("ok"):
+        fr, br = _steady(ffp["round_seconds"]), _steady(bfp["round_seconds"])
+        same_k = ffp["sampled"] == bfp["sampled"]
+        rows.append(Row("4", f"per round (median of rounds 2..{rounds}), FedPower", "bare loop", "flwr run", br, fr,
+                        fr / br, "time ratio", "<= 1.25", fr / br <= 1.25,
+                        note=("same clients per round " if same_k else f"clients per round differ {ffp['sampled']} vs {bfp['sampled']}; ")
+                             + f"per sampled client: flwr {_per_client(ffp):.2f} s vs bare {_per_client(bfp):.2f} s; "
+                               f"bare: train {median(bfp['train_seconds'][1:]):.2f} s, eval {median(bfp['eval_seconds'][1:]):.2f} s, "
+                               f"agg {median(bfp['aggregation_seconds'][1:]):.3f} s per round"))
+        ip = data.get("inprocess_flower_fedpower")
+        if ip:
+            irs = _steady(ip["round_seconds"])
+            rows.append(Row("4", "per round, FedPower: framework split", "bare loop", "ServerApp+ClientApp, in-process Grid",
+                            br, irs, irs / br, "time ratio", "(diagnostic)", None,
+                            note="Flower messages/ArrayRecords/copies without Ray or SuperLink"))
+    return rows, data
+
+
+def _brief(res: dict) -> str:
+    if res.get("ok") is False:
+        return f"FAILED status {res.get('status')} (log {res.get('log')})"
+    rs = res["round_seconds"]
+    return (f"rounds {', '.join(f'{x:.1f}' for x in rs)} s; clients {res['sampled']}; "
+            f"aggregation {sum(res['aggregation_seconds']):.3f} s; rounds wall {res['rounds_wall_seconds']:.1f} s")

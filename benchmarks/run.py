@@ -1,0 +1,99 @@
+"""fedpower benchmark suite: one entry point, a table of ratios, a JSON file.
+
+    python -m benchmarks.run                          # CPU-sized default (~15-25 min on 2 cores)
+    python -m benchmarks.run --large                  # + Llama dense subset of 8 modules, more repeats
+    python -m benchmarks.run --only server,client     # a subset: server, e2e, framework, client
+    python -m benchmarks.run --json bench.json --device cuda
+
+Every number that matters is a ratio of two cases measured in the same process run, interleaved
+(ABAB/BABA) and summarised by medians, so background load on a shared machine mostly cancels.
+Absolute times are recorded too, with the machine, the versions and the load average.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from .common import Row, environment, markdown_table, resolve_device, table
+
+SUITES = ("server", "e2e", "framework", "client")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--large", action="store_true", help="Llama-2-7B dense reference on 8 modules (default 4), more repeats")
+    p.add_argument("--only", default=",".join(SUITES), help=f"comma-separated subset of {','.join(SUITES)}")
+    p.add_argument("--json", default="bench-results/benchmarks.json", help="where to write the JSON results")
+    p.add_argument("--device", default="auto", help="auto (cuda if available), cpu or cuda")
+    p.add_argument("--repeats", type=int, default=0, help="timing repeats per case (default 5, --large 7)")
+    p.add_argument("--rounds", type=int, default=4, help="rounds of the end-to-end runs (targets 3, 4)")
+    p.add_argument("--client-steps", type=int, default=10, help="local steps per timed client run (target 5)")
+    p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (default: torch's choice)")
+    p.add_argument("--workdir", default="", help="directory for flwr homes, logs and run outputs (default: a temp dir)")
+    p.add_argument("--e2e-timeout", type=float, default=900.0, help="seconds before a flwr run is stopped")
+    args = p.parse_args(argv)
+
+    only = {s.strip() for s in args.only.split(",") if s.strip()}
+    bad = only - set(SUITES)
+    if bad:
+        p.error(f"unknown suite(s) {', '.join(sorted(bad))}; choose from {', '.join(SUITES)}")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = resolve_device(args.device)
+    repeats = args.repeats or (7 if args.large else 5)
+    out: dict = {"environment": environment(device), "args": vars(args), "suites": {}}
+    rows: list[Row] = []
+    t0 = time.time()
+
+    def log(msg: str) -> None:
+        print(f"[{time.time() - t0:7.1f} s] {msg}", flush=True)
+
+    log(f"device {device}, torch {torch.__version__} ({torch.get_num_threads()} threads), load avg {os.getloadavg()}")
+    if "server" in only:
+        from . import server
+
+        r, d = server.run(large=args.large, device=device, repeats=repeats, log=log)
+        rows += r
+        out["suites"]["server"] = d
+    if "client" in only:
+        from . import client
+
+        r, d = client.run(device=device, steps=args.client_steps, repeats=repeats + 2, log=log)
+        rows += r
+        out["suites"]["client"] = d
+    if only & {"e2e", "framework"}:
+        from . import e2e
+
+        r, d = e2e.run(rounds=args.rounds, device=device, only=only, workdir=Path(args.workdir) if args.workdir else None,
+                       timeout=args.e2e_timeout, log=log)
+        rows += r
+        out["suites"]["e2e"] = d
+
+    rows.sort(key=lambda r: r.target)
+    out["rows"] = [r.to_dict() for r in rows]
+    out["markdown_table"] = markdown_table(rows)
+    out["environment"]["loadavg_at_end"] = list(os.getloadavg())
+    out["total_seconds"] = time.time() - t0
+    print()
+    print(table(rows))
+    for r in rows:
+        if r.note:
+            print(f"  [{r.target}] {r.what}: {r.note}")
+    path = Path(args.json)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=2, default=str) + "\n")
+    print(f"\nwrote {path} ({out['total_seconds']:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
