@@ -82,6 +82,8 @@ __all__ = [
     "METHOD_ROUND_TYPE",
     "BLOCK_NAMES",
     "PAPER_LABEL",
+    "DEFAULT_PLD_INTERVAL",
+    "DEFAULT_PLD_MAX_POINTS",
     "PrivacyBudgetExceeded",
     "inclusion_probability",
     "sample_rate_pi",
@@ -692,11 +694,33 @@ def round_pld_k_mixture(
 
 
 def pld_epsilon(pld, delta: float) -> float:
-    """epsilon of a (composed) PLD at ``delta``."""
+    """epsilon of a (composed) PLD at ``delta`` (dp_accounting ``get_epsilon_for_delta``).
+
+    For epsilon above ~700, ``get_epsilon_for_delta`` overflows (``exp(-loss)`` underflows) and
+    returns inf. In that case epsilon is found by bisection on the library's
+    ``get_delta_for_epsilon`` (monotone in epsilon), returning the upper end of the bracket.
+    """
     d = float(delta)
     if not (0 < d < 1):
         raise ValueError(f"delta must be in (0, 1), got {delta!r}")
-    return float(pld.get_epsilon_for_delta(d))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        eps = float(pld.get_epsilon_for_delta(d))
+        if not math.isinf(eps):
+            return eps
+        hi = 1.0
+        while float(pld.get_delta_for_epsilon(hi)) > d:
+            hi *= 2.0
+            if hi > 1e9:
+                return math.inf  # genuinely infinite (e.g. infinity mass > delta)
+        lo = hi / 2.0 if hi > 1.0 else 0.0
+        while hi - lo > 1e-10 * hi:
+            mid = 0.5 * (lo + hi)
+            if float(pld.get_delta_for_epsilon(mid)) > d:
+                lo = mid
+            else:
+                hi = mid
+        return hi
 
 
 def _compose_counts(plds: dict, counts: dict):
@@ -1122,9 +1146,11 @@ def _common_notes(plan: PrivacyPlan) -> list:
     else:
         notes.append("sample level: clients must use Poisson example sampling (rate b/n_i) and report n_i; "
                      "empty rounds still release noise (k = 0 uses the k = 1 noise scale)")
-    if plan.delta * (sum(plan.client_sizes) if plan.client_sizes else plan.num_clients) > 0.1:
-        n = sum(plan.client_sizes) if plan.client_sizes else plan.num_clients
-        notes.append(f"delta = {plan.delta:g} is not << 1/n (n = {n}); consider delta <= {0.1 / n:.1e}")
+    # units protected: examples (sample level) or clients (client level)
+    n = sum(plan.client_sizes) if plan.level == "sample" else plan.num_clients
+    if plan.delta * n > 0.1:
+        unit = "examples" if plan.level == "sample" else "clients"
+        notes.append(f"delta = {plan.delta:g} is not << 1/n (n = {n} {unit}); consider delta <= {0.1 / n:.1e}")
     return notes
 
 
@@ -1256,7 +1282,7 @@ def _bracket(eps_of_z: Callable[[float], float], target: float, z0: float,
 def calibrate(plan: PrivacyPlan, *, rel_tol: float = 1e-5, orders: Sequence[float] = ORDERS) -> Calibration:
     """Calibrate the noise for ``plan``.
 
-    Rigorous mode: smallest effective z (log-scale bisection/Illinois, rel. tol ``rel_tol``) with
+    Rigorous mode: smallest effective z (log-scale Brent + bisection, rel. tol ``rel_tol``) with
     epsilon(z) <= target under the chosen accountant. With PLD the search is bracketed around the
     RDP solution (PLD is 5-9% tighter), never probing tiny z (memory pitfall).
 

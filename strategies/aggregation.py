@@ -15,9 +15,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-# Post-clip norms may exceed C by float32 rounding; the accountant inflates nothing, so we clip
-# to C / (1 + CLIP_MARGIN) and tests assert the float64 norm is <= C.
-CLIP_MARGIN = 1e-6
+# The accountant's sensitivities assume ||u_i|| <= C exactly and ||Q||_2 <= 1 for the orthonormal
+# projections. float32 rounding in the scaling and in QR (orthogonality error ~1e-6..1e-5 for
+# m ~ 1e3..1e4) could exceed that, so we clip to C / (1 + CLIP_MARGIN) (spec §3.1 "numerical
+# safety"); the utility cost is negligible.
+CLIP_MARGIN = 1e-4
 
 
 @dataclass

@@ -561,3 +561,16 @@ def test_cli_errors(argv, msg, capsys):
     assert privacy_cli.main(argv) == 2
     err = capsys.readouterr().err
     assert "error" in err and msg in err
+
+
+def test_pld_epsilon_overflow_fallback():
+    # dp_accounting's get_epsilon_for_delta overflows to inf for epsilon > ~700 on some mixtures;
+    # pld_epsilon then bisects on get_delta_for_epsilon (monotone) instead.
+    class FakePLD:
+        def get_epsilon_for_delta(self, delta):
+            return math.inf
+
+        def get_delta_for_epsilon(self, eps):
+            return math.exp(-(eps - 700.0)) * 1e-5 if eps > 700.0 else 1.0
+
+    assert A.pld_epsilon(FakePLD(), 1e-5) == pytest.approx(700.0, rel=1e-8)

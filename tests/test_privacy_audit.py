@@ -696,10 +696,11 @@ def U_pair():
     return [U], [negated(U, "powerdp")]
 
 
-def test_vectorised_path_equals_release():
+@pytest.mark.parametrize("iters", [1, 2])
+def test_vectorised_path_equals_release(iters):
     """On the same noise (replayed from NoiseSource.generator('release', t)), the batched audit
     path reproduces fedpower_release exactly, for U, -U and a straddle pair."""
-    ctx = audit_ctx()
+    ctx = audit_ctx(iters)
     s = 0.7
     D, D_prime = U_pair()
     S1, S0, _ = straddle_pair(ctx, seed=1)
