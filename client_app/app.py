@@ -36,12 +36,20 @@ def _config(items: tuple) -> RunConfig:
 
 def _setup(context: Context):
     cfg = _config(tuple(sorted(context.run_config.items())))
+    local_dir = context.node_config.get("data-dir")
+    if local_dir:
+        # A real silo with its own files (--node-config 'data-dir="/data/sst2"'): the whole local
+        # training split is this silo's shard.
+        cfg = _config(tuple(sorted({**cfg.values, "task.data-dir": str(local_dir)}.items())))
+        pid, num = 0, 1
+        task = D.load_task(cfg)
+        return cfg, pid, num, task, M.cached_model(cfg, task.num_labels), M.load_tokenizer(cfg["model.name"])
     try:
         pid = int(context.node_config["partition-id"])
         num = int(context.node_config["num-partitions"])
     except KeyError as exc:
         raise RuntimeError(
-            "node config needs partition-id and num-partitions "
+            "node config needs partition-id and num-partitions, or data-dir "
             "(flower-supernode --node-config 'partition-id=0 num-partitions=6')"
         ) from exc
     task = D.load_task(cfg)

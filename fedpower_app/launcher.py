@@ -118,10 +118,10 @@ def run_flwr(
            "--federation-config",
            f"num-supernodes={num_supernodes} client-resources-num-cpus={cpus_per_client} "
            f"client-resources-num-gpus={gpus_per_client}"]
-    if preset:
-        cmd += ["--run-config", str(Path(preset).resolve())]
-    if overrides:
-        cmd += ["--run-config", run_config_arg(overrides)]
+    # flwr refuses a TOML file together with key=value pairs, so a preset is merged into the pairs.
+    merged = {**(load_preset(preset) if preset else {}), **(overrides or {})}
+    if merged:
+        cmd += ["--run-config", run_config_arg(merged)]
     t0 = time.time()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
     lines: list[str] = []

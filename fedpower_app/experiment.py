@@ -1,0 +1,1025 @@
+"""``fedpower-experiment``: run a grid of methods x epsilon x tasks x seeds and write the paper's tables.
+
+Every cell of the grid is one ``flwr run`` of this app (Flower simulation, managed local SuperLink),
+with a deterministic run name and output directory ``<out>/cells/<cell-id>/``. A cell is finished
+when its ``results.json`` says ``completed`` (or ``stopped-budget``); re-running the same command
+resumes a half-finished grid: finished cells are skipped, failed or interrupted cells are run again
+and reported. After the runs, the results of all finished cells are aggregated (mean +- std over
+seeds) into
+
+  table1.md/.csv   accuracy per method and epsilon, per task and averaged over tasks (paper Table 1)
+  table2.md/.csv   noise injection scheme: PowerDP vs input vs output perturbation (paper Table 2)
+  table3.md/.csv   refactorization every 1/5/10 rounds: server time per round, overhead vs FedLoRA,
+                   total wall time, accuracy (paper Table 3)
+  fig_*.png        accuracy vs rounds and vs transferred bits (real message bytes), per task and epsilon
+  manifest.json    the grid, every cell's status and exact overrides, the invocations (commands, times)
+  cells/<id>/      results.json (resolved config, calibration, per-round data), cell.json, flwr.log
+
+Examples:
+
+  # the paper's Table 1 on SST-2 with the CPU preset, 3 seeds
+  fedpower-experiment --table 1 --preset conf/cpu-sst2.toml --data-dir /work/shared/glue/SST-2 \\
+      --seeds 0 1 2 --out results/cpu-sst2
+
+  # everything a grid file describes (per-table epsilons, seeds, preset, overrides)
+  fedpower-experiment --grid conf/grids/cpu-sst2.toml --table all --data-dir /work/shared/glue/SST-2
+
+  # the paper's setup (RoBERTa-large, T = 200, all four tasks); needs a GPU and days of compute
+  fedpower-experiment --grid conf/grids/paper.toml --table all --data-dir /path/to/glue
+
+  # a custom grid, then only re-render the tables from what is there
+  fedpower-experiment --methods fedpower fedpower-F5 ffa-lora --epsilons 3 none --tasks sst2 qnli \\
+      --preset conf/cpu-sst2.toml --data-dir /data/glue --out results/custom
+  fedpower-experiment --out results/custom --report-only
+
+Methods are strategy names (fedpower, fedlora, ffa-lora, input-perturbation, output-perturbation)
+or fedpower-F<n> (FedPower with PowerDP every n-th round, FedLoRA releases otherwise). Epsilons are
+positive numbers (dp.epsilon at the preset's dp.level, sample by default) or "none" (dp.level = none,
+optionally with its own learning rate, --nonprivate-lr; the paper uses 0.05 vs 0.5 private).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import os
+import re
+import shutil
+import statistics
+import sys
+import time
+import tomllib
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+from .config import PROJECT_ROOT, STRATEGIES, TASKS, ConfigError, load_preset, parse_config
+
+FINISHED = ("completed", "stopped-budget")
+FORMAT = "fedpower-experiment/1"
+
+# The standard grids of the paper's tables (methods; default epsilons).
+TABLE_METHODS: dict[str, list[str]] = {
+    "1": ["fedlora", "ffa-lora", "fedpower"],
+    "2": ["input-perturbation", "output-perturbation", "fedpower"],
+    "3": ["fedlora", "fedpower-F10", "fedpower-F5", "fedpower"],
+}
+TABLE_EPSILONS: dict[str, list[float | None]] = {
+    "1": [None, 9.0, 6.0, 3.0],
+    "2": [9.0, 6.0, 3.0],
+    "3": [3.0],
+}
+TABLE_TITLES = {
+    "1": "Table 1: accuracy per method and privacy budget",
+    "2": "Table 2: noise injection scheme (PowerDP vs input vs output perturbation)",
+    "3": "Table 3: refactorization frequency (server time per round, overhead vs FedLoRA, accuracy)",
+}
+METHOD_LABELS = {
+    "fedlora": "FedLoRA",
+    "ffa-lora": "FFA-LoRA",
+    "fedpower": "FedPower",
+    "input-perturbation": "Input perturbation",
+    "output-perturbation": "Output perturbation",
+}
+TASK_LABELS = {"sst2": "SST-2", "qnli": "QNLI", "mnli": "MNLI", "qqp": "QQP", "synthetic": "synthetic"}
+SPLIT_LABELS = {"validation_matched": "m", "validation_mismatched": "mm"}
+_F_RE = re.compile(r"^fedpower-F([1-9][0-9]*)$")
+
+
+class GridError(ValueError):
+    """A bad grid specification (unknown method, bad epsilon, ...): exit code 2."""
+
+
+# ------------------------------------------------------------------------------------------------
+# Grid specification
+# ------------------------------------------------------------------------------------------------
+
+def method_overrides(method: str) -> dict[str, Any]:
+    """Run-config overrides of a method name (strategy name or fedpower-F<n>)."""
+    if method in STRATEGIES:
+        return {"strategy.name": method, "strategy.refactor-every": 1}
+    m = _F_RE.match(method)
+    if m:
+        return {"strategy.name": "fedpower", "strategy.refactor-every": int(m.group(1))}
+    raise GridError(f"unknown method {method!r}: use one of {', '.join(STRATEGIES)} or fedpower-F<n> (n >= 1)")
+
+
+def canonical_method(method: str) -> str:
+    method_overrides(method)
+    return "fedpower" if method == "fedpower-F1" else method
+
+
+def method_label(method: str) -> str:
+    m = _F_RE.match(method)
+    if m:
+        return f"FedPower (F={m.group(1)})"
+    return METHOD_LABELS.get(method, method)
+
+
+def refactor_every(method: str) -> int | None:
+    """Refactorization frequency of a method: F for FedPower variants, None (never) for the rest."""
+    ov = method_overrides(method)
+    return ov["strategy.refactor-every"] if ov["strategy.name"] == "fedpower" else None
+
+
+def parse_epsilon(value: Any) -> float | None:
+    """A grid epsilon: a positive number, or "none" / "inf" / "nonprivate" for dp.level = none."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise GridError(f"bad epsilon {value!r}: use a positive number or 'none'")
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text in ("none", "nonprivate", "non-private", "inf", "np"):
+            return None
+        try:
+            value = float(text)
+        except ValueError:
+            raise GridError(f"bad epsilon {value!r}: use a positive number or 'none'") from None
+    if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise GridError(f"bad epsilon {value!r}: use a positive number or 'none'")
+    return float(value)
+
+
+def eps_tag(eps: float | None) -> str:
+    if eps is None:
+        return "nonprivate"
+    return "eps" + (f"{eps:g}".replace(".", "p"))
+
+
+def eps_label(eps: float | None) -> str:
+    return "non-private" if eps is None else f"ε = {eps:g}"
+
+
+def _eps_sort_key(eps: float | None) -> float:
+    return -math.inf if eps is None else -eps  # non-private first, then decreasing epsilon (paper order)
+
+
+@dataclass(frozen=True)
+class Cell:
+    task: str
+    method: str
+    epsilon: float | None
+    seed: int
+
+    @property
+    def cell_id(self) -> str:
+        return f"{self.task}__{self.method}__{eps_tag(self.epsilon)}__s{self.seed}"
+
+    def describe(self) -> str:
+        eps = "non-private" if self.epsilon is None else f"eps={self.epsilon:g}"
+        return f"{self.task} {self.method} {eps} seed={self.seed}"
+
+
+@dataclass
+class GridSpec:
+    """What to run. ``tables`` maps a table number to (methods, epsilons); ``custom`` holds an extra
+    methods x epsilons block given by --methods/--epsilons without --table."""
+
+    tasks: list[str]
+    seeds: list[int]
+    tables: dict[str, tuple[list[str], list[float | None]]] = field(default_factory=dict)
+    custom: tuple[list[str], list[float | None]] | None = None
+    preset: str | None = None  # may contain {task}
+    overrides: dict[str, Any] = field(default_factory=dict)
+    data_dir: str | None = None
+    nonprivate_lr: float | None = None
+    supernodes: int = 6
+
+    def blocks(self) -> list[tuple[str, list[str], list[float | None]]]:
+        out = [(t, m, e) for t, (m, e) in sorted(self.tables.items())]
+        if self.custom:
+            out.append(("custom", *self.custom))
+        return out
+
+    def cells(self) -> list[Cell]:
+        """All cells, deduplicated (a FedPower cell at epsilon 6 serves Tables 1, 2 and 3), in a
+        stable order: by table block, seed, epsilon, task, method, so that early seeds of every
+        method finish first (a partial grid already gives comparable numbers)."""
+        seen: dict[str, Cell] = {}
+        for _, methods, epsilons in self.blocks():
+            for seed in self.seeds:
+                for eps in epsilons:
+                    for task in self.tasks:
+                        for method in methods:
+                            cell = Cell(task, canonical_method(method), eps, seed)
+                            seen.setdefault(cell.cell_id, cell)
+        return list(seen.values())
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "tasks": self.tasks,
+            "seeds": self.seeds,
+            "tables": {t: {"methods": m, "epsilons": [("none" if e is None else e) for e in es]}
+                       for t, (m, es) in self.tables.items()},
+            "custom": None if not self.custom else {"methods": self.custom[0],
+                                                    "epsilons": [("none" if e is None else e) for e in self.custom[1]]},
+            "preset": self.preset,
+            "overrides": self.overrides,
+            "data_dir": self.data_dir,
+            "nonprivate_lr": self.nonprivate_lr,
+            "supernodes": self.supernodes,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "GridSpec":
+        tables = {str(t): (list(v["methods"]), [parse_epsilon(e) for e in v["epsilons"]])
+                  for t, v in (d.get("tables") or {}).items()}
+        custom = d.get("custom")
+        return cls(tasks=list(d["tasks"]), seeds=[int(s) for s in d["seeds"]], tables=tables,
+                   custom=None if not custom else (list(custom["methods"]), [parse_epsilon(e) for e in custom["epsilons"]]),
+                   preset=d.get("preset"), overrides=dict(d.get("overrides") or {}), data_dir=d.get("data_dir"),
+                   nonprivate_lr=d.get("nonprivate_lr"), supernodes=int(d.get("supernodes", 6)))
+
+
+def _resolve_path(path: str, base: Path) -> str:
+    """A relative (preset) path: tried against the cwd, then ``base`` (the grid file's folder), then
+    the project root; ``{task}`` templates are checked with the first existing expansion."""
+    p = Path(path).expanduser()
+    if p.is_absolute():
+        return str(p)
+    for root in (Path.cwd(), base, PROJECT_ROOT):
+        cand = root / p
+        probes = [Path(str(cand).replace("{task}", t)) for t in TASKS] if "{task}" in path else [cand]
+        if any(q.exists() for q in probes):
+            return str(cand.resolve()) if "{task}" not in path else str(root.resolve() / p)
+    return str(Path.cwd() / p)
+
+
+def cell_overrides(spec: GridSpec, cell: Cell, out: Path) -> dict[str, Any]:
+    """The exact run-config passed to ``flwr run`` for a cell (preset + grid overrides + cell)."""
+    ov: dict[str, Any] = {}
+    if spec.preset:
+        ov.update(load_preset(spec.preset.replace("{task}", cell.task)))
+    ov.update(spec.overrides)
+    ov["task.name"] = cell.task
+    if spec.data_dir is not None:
+        ov["task.data-dir"] = spec.data_dir.replace("{task}", cell.task)
+    ov.update(method_overrides(cell.method))
+    if cell.epsilon is None:
+        ov["dp.level"] = "none"
+        if spec.nonprivate_lr is not None:
+            ov["train.lr"] = float(spec.nonprivate_lr)
+    else:
+        if ov.get("dp.level", "sample") == "none":
+            ov["dp.level"] = "sample"
+        ov["dp.epsilon"] = float(cell.epsilon)
+    ov["seed"] = int(cell.seed)
+    ov["run-name"] = cell.cell_id
+    ov["output-dir"] = str((out / "cells").resolve())
+    return ov
+
+
+def validate(spec: GridSpec, out: Path) -> list[Cell]:
+    """Check the whole grid before running anything (unknown keys/values fail here, exit 2)."""
+    if not spec.tasks:
+        raise GridError("no tasks given")
+    if not spec.seeds:
+        raise GridError("no seeds given")
+    for task in spec.tasks:
+        if task not in TASKS:
+            raise GridError(f"unknown task {task!r}: use one of {', '.join(TASKS)}")
+    if not spec.blocks():
+        raise GridError("nothing to run: give --table, --methods/--epsilons or a --grid file")
+    for _, methods, epsilons in spec.blocks():
+        if not methods:
+            raise GridError("empty method list")
+        if not epsilons:
+            raise GridError("empty epsilon list")
+        for m in methods:
+            method_overrides(m)
+    if spec.preset:
+        for task in spec.tasks:
+            p = Path(spec.preset.replace("{task}", task))
+            if not p.exists():
+                raise GridError(f"preset {p} not found")
+    if spec.supernodes < 1:
+        raise GridError("--supernodes must be >= 1")
+    cells = spec.cells()
+    for cell in cells:
+        try:
+            parse_config(cell_overrides(spec, cell, out))
+        except ConfigError as exc:
+            raise GridError(f"cell {cell.cell_id}: {exc}") from None
+    return cells
+
+
+# ------------------------------------------------------------------------------------------------
+# Running
+# ------------------------------------------------------------------------------------------------
+
+def results_path(out: Path, cell: Cell) -> Path:
+    return out / "cells" / cell.cell_id / "results.json"
+
+
+def read_results(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def cell_status(out: Path, cell: Cell) -> str:
+    """``completed``/``stopped-budget`` (finished), ``failed``, ``running`` (interrupted) or ``missing``."""
+    data = read_results(results_path(out, cell))
+    if data is None:
+        return "missing"
+    return str(data.get("status", "unknown"))
+
+
+def is_finished(out: Path, cell: Cell) -> bool:
+    return cell_status(out, cell) in FINISHED
+
+
+def default_port(out: Path) -> int:
+    """A private managed-SuperLink port derived from the output directory (stable across resumes)."""
+    return 41000 + (zlib.crc32(str(out.resolve()).encode()) % 1500) * 4
+
+
+def _fmt_seconds(s: float) -> str:
+    s = int(round(s))
+    h, rem = divmod(s, 3600)
+    m, sec = divmod(rem, 60)
+    return f"{h}h{m:02d}m{sec:02d}s" if h else f"{m}m{sec:02d}s"
+
+
+def _write_json(path: Path, payload: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(payload, indent=2, default=str) + "\n")
+    os.replace(tmp, path)
+
+
+class Manifest:
+    """``<out>/manifest.json``: grid, cells (status, overrides, seconds, attempts), invocations."""
+
+    def __init__(self, out: Path) -> None:
+        self.path = out / "manifest.json"
+        self.data: dict[str, Any] = read_results(self.path) or {"format": FORMAT, "cells": {}, "invocations": []}
+        self.data.setdefault("cells", {})
+        self.data.setdefault("invocations", [])
+
+    def save(self) -> None:
+        _write_json(self.path, self.data)
+
+
+def _flwr_log_excerpt(output: str, ok: bool) -> str:
+    lines = output.splitlines()
+    return "\n".join(lines if not ok else lines[-60:]) + "\n"
+
+
+def run_cell(spec: GridSpec, cell: Cell, out: Path, *, flwr_home: Path, port: int, echo: bool,
+             timeout: float | None, keep_adapters: bool) -> dict[str, Any]:
+    """Run one cell through ``flwr run`` and return its manifest entry."""
+    from .launcher import run_flwr
+
+    cell_dir = out / "cells" / cell.cell_id
+    if cell_dir.exists():  # an interrupted or failed earlier attempt: start clean
+        shutil.rmtree(cell_dir)
+    cell_dir.mkdir(parents=True)
+    overrides = cell_overrides(spec, cell, out)
+    entry: dict[str, Any] = {"task": cell.task, "method": cell.method,
+                             "epsilon": "none" if cell.epsilon is None else cell.epsilon, "seed": cell.seed,
+                             "overrides": overrides, "started_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    _write_json(cell_dir / "cell.json", entry)
+    try:
+        outcome = run_flwr(PROJECT_ROOT, overrides, num_supernodes=spec.supernodes, flwr_home=flwr_home,
+                           superlink_port=port, echo=echo, timeout=timeout)
+        entry.update(run_id=outcome.run_id, flwr_status=outcome.status, seconds=round(outcome.seconds, 1))
+        output = outcome.output
+    except Exception as exc:  # launcher problem (flwr missing, ...): the cell failed, the grid goes on
+        entry.update(run_id=None, flwr_status=f"launcher error: {type(exc).__name__}: {exc}", seconds=None)
+        output = str(exc)
+    status = cell_status(out, cell)
+    if status in FINISHED and not str(entry["flwr_status"]).startswith("finished:completed"):
+        # results.json says finished but Flower disagrees: trust neither silently.
+        status = f"inconsistent ({entry['flwr_status']})"
+    entry["status"] = status
+    entry["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+    (cell_dir / "flwr.log").write_text(_flwr_log_excerpt(output, status in FINISHED))
+    if status not in FINISHED:
+        data = read_results(results_path(out, cell)) or {}
+        entry["error"] = data.get("error") or _last_error_line(output)
+    if not keep_adapters:
+        shutil.rmtree(cell_dir / "adapter", ignore_errors=True)
+    _write_json(cell_dir / "cell.json", entry)
+    return entry
+
+
+def _last_error_line(output: str) -> str:
+    for line in reversed(output.splitlines()):
+        if re.search(r"error|exception|traceback", line, re.I):
+            return line.strip()[:500]
+    return "no results.json written (see flwr.log)"
+
+
+def run_grid(spec: GridSpec, out: Path, *, flwr_home: Path | None = None, port: int | None = None,
+             echo: bool = False, timeout: float | None = None, keep_adapters: bool = False,
+             argv: Sequence[str] | None = None, max_cells: int | None = None,
+             log=print) -> dict[str, Any]:
+    """Run every unfinished cell of the grid; return a summary (ran, skipped, failed cell ids)."""
+    from .launcher import stop_local_superlink
+
+    out.mkdir(parents=True, exist_ok=True)
+    cells = validate(spec, out)
+    flwr_home = Path(flwr_home) if flwr_home else out / "flwr-home"
+    port = port or default_port(out)
+    gitignore = out / ".gitignore"
+    if not gitignore.exists():
+        gitignore.write_text("# written by fedpower-experiment: Flower state and model adapters are not results\n"
+                             "flwr-home/\ncells/*/adapter/\n*.tmp\n")
+    manifest = Manifest(out)
+    manifest.data["format"] = FORMAT
+    manifest.data["grid"] = spec.to_dict()
+    manifest.data["project_root"] = str(PROJECT_ROOT)
+    invocation = {"argv": list(argv) if argv is not None else None, "started_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                  "ran": [], "skipped": 0, "failed": []}
+    manifest.data["invocations"].append(invocation)
+    todo = [c for c in cells if not is_finished(out, c)]
+    for c in cells:
+        entry = manifest.data["cells"].setdefault(c.cell_id, {})
+        entry.setdefault("task", c.task)
+        entry.setdefault("method", c.method)
+        entry.setdefault("epsilon", "none" if c.epsilon is None else c.epsilon)
+        entry.setdefault("seed", c.seed)
+        entry["status"] = cell_status(out, c)
+    invocation["skipped"] = len(cells) - len(todo)
+    manifest.save()
+    if max_cells is not None:
+        todo = todo[:max_cells]
+    log(f"fedpower-experiment: {len(cells)} cells in the grid, {len(cells) - len(todo) if max_cells is None else invocation['skipped']} "
+        f"already finished, {len(todo)} to run -> {out}")
+    previously_failed = [c.cell_id for c in todo if cell_status(out, c) not in ("missing",)]
+    if previously_failed:
+        log(f"fedpower-experiment: re-running {len(previously_failed)} unfinished/failed cell(s): {', '.join(previously_failed)}")
+    t_grid = time.time()
+    durations: list[float] = []
+    try:
+        for i, cell in enumerate(todo, 1):
+            log(f"[cell {i}/{len(todo)}] {cell.cell_id}: running ({cell.describe()})")
+            t0 = time.time()
+            entry = run_cell(spec, cell, out, flwr_home=flwr_home, port=port, echo=echo, timeout=timeout,
+                             keep_adapters=keep_adapters)
+            durations.append(time.time() - t0)
+            attempts = int(manifest.data["cells"].get(cell.cell_id, {}).get("attempts", 0)) + 1
+            entry["attempts"] = attempts
+            manifest.data["cells"][cell.cell_id] = entry
+            invocation["ran"].append(cell.cell_id)
+            remaining = len(todo) - i
+            eta = statistics.mean(durations) * remaining
+            if entry["status"] in FINISHED:
+                data = read_results(results_path(out, cell)) or {}
+                tot = data.get("totals") or {}
+                acc, best, eps = tot.get("final_accuracy"), tot.get("best_accuracy"), tot.get("final_epsilon")
+                log(f"[cell {i}/{len(todo)}] {cell.cell_id}: {entry['status']} in {_fmt_seconds(durations[-1])} | "
+                    f"final acc {_f4(acc)} (best {_f4(best)}) | eps {'n/a' if eps is None else f'{eps:.3f}'} | "
+                    f"ETA {_fmt_seconds(eta)} for {remaining} more")
+            else:
+                invocation["failed"].append(cell.cell_id)
+                log(f"[cell {i}/{len(todo)}] {cell.cell_id}: FAILED ({entry['status']}): {entry.get('error')} | "
+                    f"log {out / 'cells' / cell.cell_id / 'flwr.log'} | ETA {_fmt_seconds(eta)} for {remaining} more")
+            manifest.save()
+    finally:
+        invocation["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+        invocation["seconds"] = round(time.time() - t_grid, 1)
+        for c in cells:
+            manifest.data["cells"].setdefault(c.cell_id, {})["status"] = cell_status(out, c)
+        manifest.save()
+        if todo:
+            stop_local_superlink(flwr_home)
+    unfinished = [c.cell_id for c in cells if not is_finished(out, c)]
+    return {"cells": len(cells), "ran": invocation["ran"], "skipped": invocation["skipped"],
+            "failed": invocation["failed"], "unfinished": unfinished, "seconds": invocation["seconds"]}
+
+
+def _f4(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.4f}"
+
+
+# ------------------------------------------------------------------------------------------------
+# Aggregation
+# ------------------------------------------------------------------------------------------------
+
+def eval_splits_of(data: dict[str, Any]) -> list[str]:
+    """Evaluation split names of a run, in the order they were reported (first = primary)."""
+    rows = [r for r in data.get("rounds", []) if r.get("accuracy") is not None]
+    source = rows[-1] if rows else (data.get("initial_evaluation") or {})
+    return [k[: -len("-accuracy")] for k in source if k.endswith("-accuracy")]
+
+
+def cell_metrics(data: dict[str, Any]) -> dict[str, Any]:
+    """Scalar metrics of one finished run: final (last evaluated round) and best accuracy per split,
+    epsilon spent, bytes, server time per round, wall time."""
+    rounds = data.get("rounds", [])
+    evals = [r for r in rounds if r.get("accuracy") is not None]
+    splits = eval_splits_of(data)
+    last = evals[-1] if evals else (data.get("initial_evaluation") or {})
+    out: dict[str, Any] = {"splits": splits, "final": {}, "best": {}}
+    for s in splits:
+        key = f"{s}-accuracy"
+        out["final"][s] = last.get(key)
+        vals = [r[key] for r in evals if r.get(key) is not None]
+        out["best"][s] = max(vals) if vals else last.get(key)
+    out["final_accuracy"] = last.get("accuracy")
+    out["best_accuracy"] = max((r["accuracy"] for r in evals), default=last.get("accuracy"))
+    eps = [r.get("epsilon") for r in rounds if r.get("epsilon") is not None]
+    out["epsilon"] = eps[-1] if eps else None
+    agg = [r.get("aggregation_seconds") for r in rounds if r.get("aggregation_seconds") is not None]
+    out["aggregation_seconds"] = statistics.mean(agg) if agg else None
+    out["rounds"] = len(rounds)
+    out["bytes"] = sum(int(r.get("bytes_up", 0)) + int(r.get("bytes_down", 0)) for r in rounds)
+    tot = data.get("totals") or {}
+    out["wall_seconds"] = tot.get("wall_seconds")
+    walls = [r.get("wall_seconds") for r in rounds if r.get("wall_seconds") is not None]
+    out["train_seconds"] = walls[-1] if walls else None
+    calib = ((data.get("privacy") or {}).get("calibration") or {})
+    out["z"] = calib.get("z")
+    return out
+
+
+def curve(data: dict[str, Any]) -> list[tuple[int, float, float]]:
+    """(round, cumulative transferred bits, accuracy) for every evaluated round, with round 0 = the
+    initial model at 0 bits."""
+    pts: list[tuple[int, float, float]] = []
+    init = data.get("initial_evaluation") or {}
+    if init.get("accuracy") is not None:
+        pts.append((0, 0.0, float(init["accuracy"])))
+    bits = 0.0
+    for r in data.get("rounds", []):
+        bits += 8.0 * (int(r.get("bytes_up", 0)) + int(r.get("bytes_down", 0)))
+        if r.get("accuracy") is not None:
+            pts.append((int(r["server_round"]), bits, float(r["accuracy"])))
+    return pts
+
+
+def mean_std(values: Iterable[float | None]) -> tuple[float | None, float | None, int]:
+    """Mean and sample standard deviation (ddof = 1; 0 for a single value) of the non-missing values."""
+    vals = [float(v) for v in values if v is not None and math.isfinite(float(v))]
+    if not vals:
+        return None, None, 0
+    if len(vals) == 1:
+        return vals[0], 0.0, 1
+    return statistics.mean(vals), statistics.stdev(vals), len(vals)
+
+
+@dataclass
+class Collected:
+    """Finished runs by (task, method, epsilon): seed -> results.json data."""
+
+    runs: dict[tuple[str, str, float | None], dict[int, dict[str, Any]]]
+
+    def get(self, task: str, method: str, eps: float | None) -> dict[int, dict[str, Any]]:
+        return self.runs.get((task, method, eps), {})
+
+
+def collect(out: Path, cells: Sequence[Cell]) -> Collected:
+    runs: dict[tuple[str, str, float | None], dict[int, dict[str, Any]]] = {}
+    for cell in cells:
+        data = read_results(results_path(out, cell))
+        if data is None or data.get("status") not in FINISHED:
+            continue
+        runs.setdefault((cell.task, cell.method, cell.epsilon), {})[cell.seed] = data
+    return Collected(runs)
+
+
+def task_columns(collected: Collected, tasks: Sequence[str]) -> list[tuple[str, str, str]]:
+    """Accuracy columns: (task, split, header). One per evaluation split (MNLI: matched and
+    mismatched), in task order."""
+    cols: list[tuple[str, str, str]] = []
+    for task in tasks:
+        splits: list[str] = []
+        for (t, _, _), seeds in collected.runs.items():
+            if t != task:
+                continue
+            for data in seeds.values():
+                for s in eval_splits_of(data):
+                    if s not in splits:
+                        splits.append(s)
+        if not splits:
+            splits = ["validation_matched", "validation_mismatched"] if task == "mnli" else ["validation"]
+        label = TASK_LABELS.get(task, task)
+        for s in splits:
+            header = label if len(splits) == 1 else f"{label}-{SPLIT_LABELS.get(s, s)}"
+            cols.append((task, s, header))
+    return cols
+
+
+def _pm(mean: float | None, std: float | None, n: int, scale: float = 100.0, digits: int = 2) -> str:
+    if mean is None:
+        return "—"
+    text = f"{mean * scale:.{digits}f} ± {std * scale:.{digits}f}"
+    return text
+
+
+@dataclass
+class Table:
+    title: str
+    headers: list[str]
+    rows: list[list[str]]
+    csv_headers: list[str]
+    csv_rows: list[list[Any]]
+    notes: list[str] = field(default_factory=list)
+
+    def markdown(self) -> str:
+        lines = [f"### {self.title}", ""]
+        lines.append("| " + " | ".join(self.headers) + " |")
+        lines.append("|" + "|".join("---" for _ in self.headers) + "|")
+        for row in self.rows:
+            lines.append("| " + " | ".join(row) + " |")
+        if self.notes:
+            lines.append("")
+            lines.extend(self.notes)
+        return "\n".join(lines) + "\n"
+
+    def write(self, out: Path, stem: str) -> None:
+        (out / f"{stem}.md").write_text(self.markdown())
+        with open(out / f"{stem}.csv", "w", newline="") as fh:
+            w = csv.writer(fh)
+            w.writerow(self.csv_headers)
+            for row in self.csv_rows:
+                w.writerow(["" if v is None else (f"{v:.6g}" if isinstance(v, float) else v) for v in row])
+
+
+def _seed_average_over_columns(seeds: dict[int, dict[str, Any]], cols: list[tuple[str, str, str]],
+                               collected: Collected, method: str, eps: float | None, which: str) -> list[float]:
+    """Per seed: the average over all task columns (only seeds that finished every task)."""
+    per_seed: list[float] = []
+    common = None
+    for task in {c[0] for c in cols}:
+        s = set(collected.get(task, method, eps))
+        common = s if common is None else common & s
+    for seed in sorted(common or ()):
+        vals = []
+        for task, split, _ in cols:
+            m = cell_metrics(collected.get(task, method, eps)[seed])
+            vals.append(m[which].get(split))
+        if all(v is not None for v in vals):
+            per_seed.append(statistics.mean(vals))
+    return per_seed
+
+
+def accuracy_table(collected: Collected, tasks: Sequence[str], methods: Sequence[str],
+                   epsilons: Sequence[float | None], title: str, which: str = "final") -> Table:
+    """Accuracy (%) mean ± std over seeds per (epsilon, method) row and task column, plus the
+    average over columns (computed per seed, then mean ± std)."""
+    cols = task_columns(collected, tasks)
+    multi = len(cols) > 1
+    headers = ["Privacy budget", "Method"] + [c[2] for c in cols] + (["Average"] if multi else []) + ["n seeds", "ε spent"]
+    csv_headers = ["epsilon", "method"]
+    for c in cols:
+        csv_headers += [f"{c[2]}_mean", f"{c[2]}_std", f"{c[2]}_n"]
+    if multi:
+        csv_headers += ["average_mean", "average_std", "average_n"]
+    csv_headers += ["epsilon_spent_mean", "z_mean"]
+    rows, csv_rows = [], []
+    for eps in sorted(set(epsilons), key=_eps_sort_key):
+        for method in methods:
+            method = canonical_method(method)
+            row = [eps_label(eps), method_label(method)]
+            crow: list[Any] = ["none" if eps is None else eps, method]
+            ns, spent, zs = [], [], []
+            for task, split, _ in cols:
+                seeds = collected.get(task, method, eps)
+                metrics = [cell_metrics(d) for d in seeds.values()]
+                mean, std, n = mean_std(m[which].get(split) for m in metrics)
+                row.append(_pm(mean, std, n))
+                crow += [mean, std, n]
+                ns.append(n)
+                spent += [m["epsilon"] for m in metrics if m["epsilon"] is not None]
+                zs += [m["z"] for m in metrics if m["z"] is not None]
+            if multi:
+                per_seed = _seed_average_over_columns({}, cols, collected, method, eps, which)
+                mean, std, n = mean_std(per_seed)
+                row.append(_pm(mean, std, n))
+                crow += [mean, std, n]
+            row.append(str(min(ns)) if ns and min(ns) == max(ns) else f"{min(ns) if ns else 0}–{max(ns) if ns else 0}")
+            row.append("—" if not spent else f"{statistics.mean(spent):.3f}")
+            crow += [statistics.mean(spent) if spent else None, statistics.mean(zs) if zs else None]
+            rows.append(row)
+            csv_rows.append(crow)
+    notes = [f"Accuracy in %, {'final (last evaluated round)' if which == 'final' else 'best over rounds'}, "
+             "mean ± sample std over seeds (n seeds per cell). "
+             + ("Average = mean over the task columns per seed (seeds that finished every task), then mean ± std. " if multi else "")
+             + "ε spent = accountant's ε after the last round (target in the first column), δ from the config; "
+             "— = no finished run."]
+    return Table(title, headers, rows, csv_headers, csv_rows, notes)
+
+
+def refactor_table(collected: Collected, tasks: Sequence[str], methods: Sequence[str],
+                   epsilons: Sequence[float | None], title: str) -> Table:
+    """Table 3: per method and epsilon, server aggregation time per round (mean over rounds, then
+    mean ± std over seeds and tasks), overhead vs FedLoRA at the same epsilon, total wall time of a
+    run, accuracy averaged over tasks."""
+    cols = task_columns(collected, tasks)
+    headers = ["Privacy budget", "Method", "Refactorization frequency", "Server time per round (s)",
+               "Overhead vs FedLoRA", "Wall time per run (s)", "Accuracy (avg over tasks)", "n runs"]
+    csv_headers = ["epsilon", "method", "refactor_every", "server_seconds_per_round_mean", "server_seconds_per_round_std",
+                   "overhead_vs_fedlora", "wall_seconds_mean", "wall_seconds_std", "accuracy_mean", "accuracy_std", "n"]
+    rows, csv_rows = [], []
+    for eps in sorted(set(epsilons), key=_eps_sort_key):
+        base = None
+        stats: dict[str, tuple] = {}
+        for method in methods:
+            method = canonical_method(method)
+            metrics = [cell_metrics(d) for task in tasks for d in collected.get(task, method, eps).values()]
+            agg = mean_std(m["aggregation_seconds"] for m in metrics)
+            wall = mean_std(m["wall_seconds"] for m in metrics)
+            acc_per_seed = _seed_average_over_columns({}, cols, collected, method, eps, "final")
+            acc = mean_std(acc_per_seed)
+            stats[method] = (agg, wall, acc, len(metrics))
+            if method == "fedlora":
+                base = agg[0]
+        for method in methods:
+            method = canonical_method(method)
+            agg, wall, acc, n = stats[method]
+            f = refactor_every(method)
+            freq = "none (FedLoRA release)" if f is None else f"every {f} round{'s' if f > 1 else ''}"
+            overhead = None if (base is None or agg[0] is None or base <= 0) else agg[0] / base - 1.0
+            rows.append([eps_label(eps), method_label(method), freq,
+                         "—" if agg[0] is None else f"{agg[0]:.4f} ± {agg[1]:.4f}",
+                         "—" if overhead is None else f"{overhead * 100:+.1f} % (×{overhead + 1:.2f})",
+                         "—" if wall[0] is None else f"{wall[0]:.1f} ± {wall[1]:.1f}",
+                         _pm(*acc), str(n)])
+            csv_rows.append(["none" if eps is None else eps, method, f, agg[0], agg[1], overhead, wall[0], wall[1],
+                             acc[0], acc[1], n])
+    notes = ["Server time per round = the ServerApp's `aggregation_seconds` (validation, clipping, averaging, "
+             "noise and refactorization; not client training), mean over the rounds of a run, then mean ± std over runs "
+             "(seeds × tasks). Overhead = ratio to FedLoRA at the same ε minus 1. Wall time = whole run incl. "
+             "model loading, client training and evaluation. Accuracy in %, final round, averaged over tasks per seed."]
+    return Table(title, headers, rows, csv_headers, csv_rows, notes)
+
+
+# ------------------------------------------------------------------------------------------------
+# Figures
+# ------------------------------------------------------------------------------------------------
+
+def mean_curve(seeds: dict[int, dict[str, Any]]) -> tuple[list[int], list[float], list[float], list[float]]:
+    """Mean over seeds of (bits, accuracy) at each evaluated round present in every seed."""
+    curves = [curve(d) for d in seeds.values()]
+    if not curves:
+        return [], [], [], []
+    common = set.intersection(*({p[0] for p in c} for c in curves))
+    rounds = sorted(common)
+    bits, acc, std = [], [], []
+    for r in rounds:
+        b = [p[1] for c in curves for p in c if p[0] == r]
+        a = [p[2] for c in curves for p in c if p[0] == r]
+        bits.append(statistics.mean(b))
+        acc.append(statistics.mean(a))
+        std.append(statistics.stdev(a) if len(a) > 1 else 0.0)
+    return rounds, bits, acc, std
+
+
+def plot_curves(collected: Collected, task: str, eps: float | None, methods: Sequence[str], path: Path,
+                title_prefix: str = "") -> bool:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series = []
+    for method in methods:
+        method = canonical_method(method)
+        seeds = collected.get(task, method, eps)
+        if seeds:
+            series.append((method, len(seeds), *mean_curve(seeds)))
+    if not series:
+        return False
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
+    for method, n, rounds, bits, acc, std in series:
+        lo = [a - s for a, s in zip(acc, std)]
+        hi = [a + s for a, s in zip(acc, std)]
+        label = f"{method_label(method)} (n={n})"
+        line, = ax1.plot(rounds, acc, marker="o", ms=3, label=label)
+        ax1.fill_between(rounds, lo, hi, alpha=0.15, color=line.get_color())
+        ax2.plot(bits, acc, marker="o", ms=3, label=label, color=line.get_color())
+        ax2.fill_between(bits, lo, hi, alpha=0.15, color=line.get_color())
+    ax1.set_xlabel("round")
+    ax2.set_xlabel("transferred bits (up + down, cumulative)")
+    ax2.set_xscale("symlog", linthresh=1e6)
+    for ax in (ax1, ax2):
+        ax.set_ylabel("accuracy")
+        ax.grid(alpha=0.3)
+    ax1.legend(fontsize=8)
+    fig.suptitle(f"{title_prefix}{TASK_LABELS.get(task, task)}, {'non-private' if eps is None else f'ε = {eps:g}'} "
+                 f"(mean ± std over seeds)")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+# ------------------------------------------------------------------------------------------------
+# Report
+# ------------------------------------------------------------------------------------------------
+
+def write_report(spec: GridSpec, out: Path) -> dict[str, list[str]]:
+    """Write the tables and figures of the grid from the finished cells; return what was written."""
+    cells = spec.cells()
+    collected = collect(out, cells)
+    written: dict[str, list[str]] = {"tables": [], "figures": []}
+    for block, methods, epsilons in spec.blocks():
+        methods = [canonical_method(m) for m in methods]
+        if block == "3":
+            table = refactor_table(collected, spec.tasks, methods, epsilons, TABLE_TITLES["3"])
+        else:
+            title = TABLE_TITLES.get(block, "Accuracy per method and privacy budget (custom grid)")
+            table = accuracy_table(collected, spec.tasks, methods, epsilons, title)
+            best = accuracy_table(collected, spec.tasks, methods, epsilons, title + " (best round)", which="best")
+            table.notes.append("")
+            table.notes.append(best.markdown().strip())
+        stem = f"table{block}" if block != "custom" else "table_custom"
+        table.write(out, stem)
+        written["tables"].append(stem)
+        for task in spec.tasks:
+            for eps in sorted(set(epsilons), key=_eps_sort_key):
+                name = f"fig_{'t' + block if block != 'custom' else 'custom'}_{task}_{eps_tag(eps)}.png"
+                if plot_curves(collected, task, eps, methods, out / name,
+                               title_prefix=f"{'Table ' + block if block != 'custom' else 'custom grid'}: "):
+                    written["figures"].append(name)
+    return written
+
+
+def grid_summary_markdown(spec: GridSpec, out: Path) -> str:
+    """The tables written by write_report, concatenated (for README/RESULTS)."""
+    parts = []
+    for block, _, _ in spec.blocks():
+        stem = f"table{block}" if block != "custom" else "table_custom"
+        p = out / f"{stem}.md"
+        if p.exists():
+            parts.append(p.read_text())
+    return "\n".join(parts)
+
+
+# ------------------------------------------------------------------------------------------------
+# CLI
+# ------------------------------------------------------------------------------------------------
+
+def _load_grid_file(path: str) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as fh:
+            return tomllib.load(fh)
+    except OSError as exc:
+        raise GridError(f"cannot read grid file {path}: {exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise GridError(f"grid file {path}: {exc}") from None
+
+
+_GRID_KEYS = {"out", "preset", "tasks", "seeds", "methods", "epsilons", "overrides", "data-dir", "nonprivate-lr",
+              "supernodes", "table1", "table2", "table3"}
+
+
+def _parse_set(items: Sequence[str]) -> dict[str, Any]:
+    out = {}
+    for item in items:
+        if "=" not in item:
+            raise GridError(f"--set expects key=value, got {item!r}")
+        key, raw = item.split("=", 1)
+        try:
+            out[key.strip()] = tomllib.loads(f"v = {raw}")["v"]
+        except tomllib.TOMLDecodeError:
+            out[key.strip()] = raw
+    return out
+
+
+def build_spec(args: argparse.Namespace) -> tuple[GridSpec, Path]:
+    """Combine a grid file (if any) and the command-line flags (flags win) into a GridSpec."""
+    g: dict[str, Any] = {}
+    base = Path.cwd()
+    if args.grid:
+        g = _load_grid_file(args.grid)
+        unknown = sorted(set(g) - _GRID_KEYS)
+        if unknown:
+            raise GridError(f"grid file {args.grid}: unknown key(s) {', '.join(unknown)} (valid: {', '.join(sorted(_GRID_KEYS))})")
+        base = Path(args.grid).resolve().parent
+    out = args.out or g.get("out")
+    if not out:
+        raise GridError("no output directory: give --out (or 'out' in the grid file)")
+    out_path = Path(out if Path(out).is_absolute() or not args.grid or args.out else _resolve_path(out, base)).expanduser().resolve()
+
+    tasks = args.tasks or g.get("tasks") or ["sst2"]
+    seeds = args.seeds if args.seeds is not None else g.get("seeds", [0])
+    try:
+        seeds = [int(s) for s in seeds]
+    except (TypeError, ValueError):
+        raise GridError(f"bad seeds {seeds!r}: integers expected") from None
+    preset = args.preset or g.get("preset")
+    if preset:
+        preset = _resolve_path(preset, base if not args.preset else Path.cwd())
+    overrides = dict(g.get("overrides") or {})
+    overrides.update(_parse_set(args.set))
+    data_dir = args.data_dir if args.data_dir is not None else g.get("data-dir")
+    if data_dir:
+        data_dir = str(Path(data_dir).expanduser().resolve()) if "{task}" not in data_dir else data_dir
+    nonprivate_lr = args.nonprivate_lr if args.nonprivate_lr is not None else g.get("nonprivate-lr")
+    supernodes = args.supernodes if args.supernodes is not None else int(g.get("supernodes", 6))
+
+    cli_eps = [parse_epsilon(e) for e in args.epsilons] if args.epsilons else None
+    file_eps = [parse_epsilon(e) for e in g["epsilons"]] if g.get("epsilons") else None
+    tables: dict[str, tuple[list[str], list[float | None]]] = {}
+    wanted = []
+    if args.table:
+        wanted = ["1", "2", "3"] if "all" in args.table else sorted(set(args.table))
+    for t in wanted:
+        section = g.get(f"table{t}") or {}
+        methods = args.methods or section.get("methods") or TABLE_METHODS[t]
+        eps = cli_eps or ([parse_epsilon(e) for e in section["epsilons"]] if section.get("epsilons") else None) \
+            or file_eps or TABLE_EPSILONS[t]
+        tables[t] = (list(methods), eps)
+    custom = None
+    if not wanted:
+        methods = args.methods or g.get("methods")
+        eps = cli_eps or file_eps
+        if methods or eps:
+            custom = (list(methods or TABLE_METHODS["1"]), eps or TABLE_EPSILONS["1"])
+    spec = GridSpec(tasks=list(tasks), seeds=seeds, tables=tables, custom=custom, preset=preset,
+                    overrides=overrides, data_dir=data_dir or None, nonprivate_lr=nonprivate_lr, supernodes=supernodes)
+    return spec, out_path
+
+
+def make_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="fedpower-experiment", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = p.add_argument_group("what to run")
+    g.add_argument("--table", nargs="+", choices=["1", "2", "3", "all"],
+                   help="standard grid(s) of the paper's tables: 1 = FedLoRA, FFA-LoRA, FedPower at non-private, "
+                        "eps 9, 6, 3; 2 = input/output perturbation vs FedPower at eps 9, 6, 3; 3 = FedLoRA and "
+                        "FedPower refactoring every 10/5/1 rounds at eps 3; all = 1 2 3 (shared cells run once)")
+    g.add_argument("--grid", metavar="FILE", help="TOML grid file (see conf/grids/); command-line flags override it")
+    g.add_argument("--methods", nargs="+", metavar="M",
+                   help="methods (replace the table's): fedpower, fedlora, ffa-lora, input-perturbation, "
+                        "output-perturbation, fedpower-F<n>")
+    g.add_argument("--epsilons", nargs="+", metavar="EPS", help="privacy budgets (replace the table's): numbers or 'none'")
+    g.add_argument("--tasks", nargs="+", metavar="T", help=f"tasks (default sst2): {', '.join(TASKS)}")
+    g.add_argument("--seeds", nargs="+", type=int, metavar="S", help="seeds (default 0)")
+    g.add_argument("--preset", metavar="TOML", help="base preset for every cell; '{task}' is replaced by the task "
+                                                    "(e.g. conf/paper-{task}.toml)")
+    g.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra run-config override for every cell (TOML value; strings need inner quotes)")
+    g.add_argument("--data-dir", metavar="DIR", help="local GLUE directory (task folder or its parent) passed as "
+                                                     "task.data-dir to every cell; '{task}' is substituted")
+    g.add_argument("--nonprivate-lr", type=float, metavar="LR",
+                   help="train.lr of the non-private cells (paper: 0.05, vs 0.5 private); default: the preset's")
+    g.add_argument("--supernodes", type=int, help="simulated silos per run (default 6)")
+    r = p.add_argument_group("how to run")
+    r.add_argument("--out", metavar="DIR", help="output directory (tables, figures, manifest.json, cells/)")
+    r.add_argument("--dry-run", action="store_true", help="list the cells and their status, run nothing")
+    r.add_argument("--report-only", action="store_true", help="only (re)write tables and figures from finished cells")
+    r.add_argument("--max-cells", type=int, metavar="N", help="run at most N unfinished cells this time")
+    r.add_argument("--cell-timeout", type=float, default=None, metavar="S", help="give up on a cell after S seconds")
+    r.add_argument("--flwr-home", metavar="DIR", help="Flower home (default <out>/flwr-home, private to this grid)")
+    r.add_argument("--port", type=int, help="private managed SuperLink port (default derived from --out)")
+    r.add_argument("--keep-adapters", action="store_true", help="keep each cell's final adapter/ (deleted by default)")
+    r.add_argument("--echo", action="store_true", help="stream every run's Flower output")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    argv_list = list(sys.argv[1:] if argv is None else argv)
+    try:
+        if args.report_only and not args.grid and not (args.table or args.methods or args.epsilons) and args.out:
+            man = read_results(Path(args.out) / "manifest.json")
+            if not man or "grid" not in man:
+                raise GridError(f"--report-only: no manifest.json with a grid in {args.out}")
+            spec, out = GridSpec.from_dict(man["grid"]), Path(args.out).resolve()
+        else:
+            spec, out = build_spec(args)
+        cells = validate(spec, out)
+    except GridError as exc:
+        print(f"fedpower-experiment: error: {exc}", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        print(f"{len(cells)} cells -> {out}")
+        for i, c in enumerate(cells, 1):
+            print(f"  {i:3d}. {c.cell_id:45s} {cell_status(out, c)}")
+        return 0
+    summary = None
+    if not args.report_only:
+        try:
+            summary = run_grid(spec, out, flwr_home=Path(args.flwr_home) if args.flwr_home else None, port=args.port,
+                               echo=args.echo, timeout=args.cell_timeout, keep_adapters=args.keep_adapters,
+                               argv=argv_list, max_cells=args.max_cells)
+        except KeyboardInterrupt:
+            print("fedpower-experiment: interrupted; run the same command again to resume", file=sys.stderr)
+            return 130
+    written = write_report(spec, out)
+    print(f"fedpower-experiment: wrote {', '.join(t + '.md/.csv' for t in written['tables'])} and "
+          f"{len(written['figures'])} figure(s) in {out}")
+    if summary is not None:
+        print(f"fedpower-experiment: ran {len(summary['ran'])} cell(s) in {_fmt_seconds(summary['seconds'])}, "
+              f"skipped {summary['skipped']} finished")
+        if summary["unfinished"]:
+            print(f"fedpower-experiment: {len(summary['unfinished'])} cell(s) NOT finished (re-run the same command "
+                  f"to retry): {', '.join(summary['unfinished'])}", file=sys.stderr)
+            return 1
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,397 @@
+"""fedpower-experiment: grid spec, resume, aggregation math, tables and plots.
+
+The fast tests use synthetic results.json files (no Flower); the slow one runs a tiny grid
+(2 methods x 1 epsilon x 1 seed x 2 rounds) end to end through the real `flwr run`.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import statistics
+from pathlib import Path
+
+import pytest
+
+from fedpower_app import experiment as X
+from fedpower_app.config import PROJECT_ROOT, load_preset, parse_config
+
+TINY = str(PROJECT_ROOT / "conf" / "tiny.toml")
+
+
+# ------------------------------------------------------------------------------------------------
+# helpers: synthetic results.json
+# ------------------------------------------------------------------------------------------------
+
+def fake_results(accs, *, status="completed", eps_final=5.9, agg=0.01, bytes_round=1000, splits=("validation",),
+                 wall=10.0, init_acc=0.5, method="fedpower"):
+    """A results.json payload with one evaluated round per entry of ``accs`` (a float, or a dict
+    split -> accuracy)."""
+    rounds = []
+    for i, a in enumerate(accs, 1):
+        per = a if isinstance(a, dict) else {s: a for s in splits}
+        row = {"server_round": i, "round_type": "powerdp", "accuracy": per[splits[0]], "loss": 0.7,
+               "epsilon": None if eps_final is None else eps_final * i / len(accs), "bytes_up": bytes_round,
+               "bytes_down": 2 * bytes_round, "aggregation_seconds": agg, "wall_seconds": wall * i / len(accs),
+               "sampled": 3, "aggregated": 3, "dropped": []}
+        for s in splits:
+            row[f"{s}-accuracy"] = per[s]
+            row[f"{s}-loss"] = 0.7
+        rounds.append(row)
+    init = {"accuracy": init_acc, "loss": 0.69, **{f"{s}-accuracy": init_acc for s in splits}}
+    return {"status": status, "config": {"strategy.name": method}, "privacy": {"calibration": {"z": 0.7}},
+            "initial_evaluation": init, "rounds": rounds,
+            "totals": {"final_accuracy": rounds[-1]["accuracy"] if rounds else None,
+                       "best_accuracy": max(r["accuracy"] for r in rounds) if rounds else None,
+                       "final_epsilon": rounds[-1]["epsilon"] if rounds else None, "wall_seconds": wall}}
+
+
+def write_cell(out: Path, cell: X.Cell, payload: dict) -> None:
+    path = X.results_path(out, cell)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload))
+
+
+def tiny_spec(**kw) -> X.GridSpec:
+    base = dict(tasks=["synthetic"], seeds=[0], tables={"1": (["fedpower", "fedlora"], [8.0])}, preset=TINY,
+                supernodes=3)
+    base.update(kw)
+    return X.GridSpec(**base)
+
+
+# ------------------------------------------------------------------------------------------------
+# grid specification
+# ------------------------------------------------------------------------------------------------
+
+def test_methods_and_epsilons():
+    assert X.method_overrides("fedpower-F5") == {"strategy.name": "fedpower", "strategy.refactor-every": 5}
+    assert X.method_overrides("ffa-lora")["strategy.name"] == "ffa-lora"
+    assert X.canonical_method("fedpower-F1") == "fedpower"
+    assert X.refactor_every("fedlora") is None and X.refactor_every("fedpower") == 1
+    for bad in ("fedavg", "fedpower-F0", "fedpower-Fx", "FedPower"):
+        with pytest.raises(X.GridError, match="unknown method"):
+            X.method_overrides(bad)
+    assert X.parse_epsilon("none") is None and X.parse_epsilon("6") == 6.0 and X.parse_epsilon(3) == 3.0
+    for bad in ("-1", 0, "abc", "nan", True):
+        with pytest.raises(X.GridError, match="bad epsilon"):
+            X.parse_epsilon(bad)
+
+
+def test_cells_are_deduplicated_and_ids_deterministic(tmp_path):
+    spec = X.GridSpec(tasks=["sst2"], seeds=[0, 1],
+                      tables={"1": (X.TABLE_METHODS["1"], [None, 6.0]), "2": (X.TABLE_METHODS["2"], [6.0]),
+                              "3": (["fedlora", "fedpower-F5", "fedpower"], [6.0])})
+    cells = spec.cells()
+    ids = [c.cell_id for c in cells]
+    assert len(ids) == len(set(ids))
+    # table 1: 3 x 2 x 2 = 12; table 2 adds input/output x 2 seeds = 4; table 3 adds F5 x 2 seeds = 2
+    assert len(cells) == 18
+    assert "sst2__fedpower__eps6__s1" in ids and "sst2__fedlora__nonprivate__s0" in ids
+    assert "sst2__fedpower-F5__eps6__s0" in ids
+    assert [c.cell_id for c in spec.cells()] == ids  # stable order
+
+
+def test_cell_overrides(tmp_path):
+    spec = X.GridSpec(tasks=["sst2"], seeds=[3], tables={"1": (["fedpower-F5"], [None, 6.0])},
+                      preset=str(PROJECT_ROOT / "conf" / "cpu-sst2.toml"), data_dir="/data/SST-2", nonprivate_lr=0.05,
+                      overrides={"num-server-rounds": 4})
+    private, nonprivate = [c for c in spec.cells() if c.epsilon], [c for c in spec.cells() if c.epsilon is None]
+    ov = X.cell_overrides(spec, private[0], tmp_path)
+    assert ov["strategy.name"] == "fedpower" and ov["strategy.refactor-every"] == 5
+    assert ov["dp.level"] == "sample" and ov["dp.epsilon"] == 6.0 and ov["seed"] == 3
+    assert ov["num-server-rounds"] == 4 and ov["task.data-dir"] == "/data/SST-2"
+    assert ov["train.lr"] == load_preset(spec.preset)["train.lr"]
+    assert ov["run-name"] == private[0].cell_id and ov["output-dir"] == str((tmp_path / "cells").resolve())
+    ov = X.cell_overrides(spec, nonprivate[0], tmp_path)
+    assert ov["dp.level"] == "none" and ov["train.lr"] == 0.05
+    parse_config(ov)
+
+
+def test_validate_rejects_bad_grids(tmp_path):
+    with pytest.raises(X.GridError, match="unknown task"):
+        X.validate(tiny_spec(tasks=["cola"]), tmp_path)
+    with pytest.raises(X.GridError, match="unknown method"):
+        X.validate(tiny_spec(tables={"1": (["fedavg"], [3.0])}), tmp_path)
+    with pytest.raises(X.GridError, match="lora.rank"):
+        X.validate(tiny_spec(overrides={"lora.rank": 0}), tmp_path)
+    with pytest.raises(X.GridError, match="unknown config key"):
+        X.validate(tiny_spec(overrides={"dp.sigma": 1.0}), tmp_path)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--table", "1", "--methods", "fedavg"], "unknown method"),
+    (["--table", "1", "--epsilons", "-3"], "bad epsilon"),
+    (["--table", "1", "--epsilons", "abc"], "bad epsilon"),
+    (["--table", "1", "--tasks", "cola"], "unknown task"),
+    (["--table", "1", "--set", "lora.rank=0"], "lora.rank"),
+    (["--methods", "fedpower"], "no output directory"),
+])
+def test_cli_errors_exit_2(argv, message, tmp_path, capsys):
+    if "--out" not in argv and message != "no output directory":
+        argv = argv + ["--out", str(tmp_path / "o")]
+    assert X.main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_help_exits_0(capsys):
+    with pytest.raises(SystemExit) as exc:
+        X.main(["--help"])
+    assert exc.value.code == 0
+    text = capsys.readouterr().out
+    for word in ("--table", "--grid", "--epsilons", "fedpower-F<n>", "--report-only", "resume"):
+        assert word in text
+
+
+def test_grid_files_and_table_flags(tmp_path):
+    from argparse import Namespace
+
+    parser = X.make_parser()
+    args = parser.parse_args(["--grid", str(PROJECT_ROOT / "conf/grids/cpu-sst2.toml"), "--table", "all",
+                              "--data-dir", "/work/shared/glue/SST-2", "--out", str(tmp_path)])
+    spec, out = X.build_spec(args)
+    assert out == tmp_path.resolve()
+    assert spec.seeds == [0, 1, 2] and spec.nonprivate_lr == 0.05
+    assert spec.tables["1"][1] == [None, 9.0, 6.0, 3.0]
+    assert spec.tables["2"][1] == [6.0] and spec.tables["3"][1] == [6.0]
+    cells = X.validate(spec, out)
+    assert len(cells) == 36 + 6 + 6
+    # paper grid: per-task presets, all four tasks
+    args = parser.parse_args(["--grid", str(PROJECT_ROOT / "conf/grids/paper.toml"), "--table", "1", "--out", str(tmp_path)])
+    spec, _ = X.build_spec(args)
+    assert spec.tasks == ["sst2", "qnli", "mnli", "qqp"] and len(spec.seeds) == 5
+    cells = X.validate(spec, tmp_path)
+    ov = X.cell_overrides(spec, next(c for c in cells if c.task == "mnli"), tmp_path)
+    assert ov["model.name"] == "FacebookAI/roberta-large" and ov["task.name"] == "mnli"
+    assert ov["num-server-rounds"] == 200 and ov["train.batch-size"] == 128
+    # the CLI table defaults
+    spec, _ = X.build_spec(parser.parse_args(["--table", "3", "--out", str(tmp_path)]))
+    assert spec.tables == {"3": (X.TABLE_METHODS["3"], [3.0])}
+    spec, _ = X.build_spec(parser.parse_args(["--table", "2", "--epsilons", "6", "none", "--out", str(tmp_path)]))
+    assert spec.tables["2"] == (X.TABLE_METHODS["2"], [6.0, None])
+    assert isinstance(Namespace, type)
+
+
+def test_paper_presets():
+    for task in ("sst2", "qnli", "mnli", "qqp"):
+        cfg = parse_config(load_preset(PROJECT_ROOT / "conf" / f"paper-{task}.toml"))
+        assert cfg["task.name"] == task and cfg["model.name"] == "FacebookAI/roberta-large"
+        assert cfg["num-server-rounds"] == 200 and cfg["train.batch-size"] == 128 and cfg["lora.rank"] == 8
+        assert cfg["lora.dropout"] == 0.05 and cfg["train.lr"] == 0.5 and cfg["strategy.client-rate"] == 0.5
+        assert cfg["dp.clip"] == 2.0 and cfg["dp.delta"] == 1e-5 and cfg["dp.level"] == "sample"
+        assert cfg["dp.sample-mode"] == "two-stage" and cfg["dp.calibration"] == "rigorous"
+        assert cfg.target_modules == ["query", "value"]
+
+
+# ------------------------------------------------------------------------------------------------
+# resume (fast, no Flower)
+# ------------------------------------------------------------------------------------------------
+
+def test_resume_skips_finished_cells(tmp_path, monkeypatch):
+    spec = tiny_spec(tables={"1": (["fedpower", "fedlora"], [8.0])}, seeds=[0, 1])
+    cells = spec.cells()
+    for cell in cells:
+        write_cell(tmp_path, cell, fake_results([0.6, 0.7]))
+    calls = []
+    monkeypatch.setattr(X, "run_cell", lambda *a, **k: calls.append(a) or {})
+    import fedpower_app.launcher as L
+
+    monkeypatch.setattr(L, "stop_local_superlink", lambda *a, **k: calls.append("stop"))
+    summary = X.run_grid(spec, tmp_path, log=lambda *_: None)
+    assert calls == [] and summary["ran"] == [] and summary["skipped"] == 4 and summary["unfinished"] == []
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert all(c["status"] == "completed" for c in manifest["cells"].values())
+    assert manifest["invocations"][-1]["skipped"] == 4
+    # and through the CLI: 0 cells to run, tables written, exit 0
+    rc = X.main(["--table", "1", "--methods", "fedpower", "fedlora", "--epsilons", "8", "--seeds", "0", "1",
+                 "--tasks", "synthetic", "--preset", TINY, "--supernodes", "3", "--out", str(tmp_path)])
+    assert rc == 0 and calls == []
+    assert (tmp_path / "table1.md").exists()
+
+
+def test_resume_reruns_failed_and_interrupted_cells(tmp_path, monkeypatch):
+    spec = tiny_spec(seeds=[0])
+    done, failed = spec.cells()
+    write_cell(tmp_path, done, fake_results([0.6, 0.7]))
+    write_cell(tmp_path, failed, fake_results([0.6], status="failed"))
+    assert X.cell_status(tmp_path, failed) == "failed" and not X.is_finished(tmp_path, failed)
+    ran = []
+
+    def fake_run_cell(spec_, cell, out, **kw):
+        ran.append(cell.cell_id)
+        write_cell(out, cell, fake_results([0.55, 0.65], status="stopped-budget"))
+        return {"status": X.cell_status(out, cell)}
+
+    monkeypatch.setattr(X, "run_cell", fake_run_cell)
+    import fedpower_app.launcher as L
+
+    monkeypatch.setattr(L, "stop_local_superlink", lambda *a, **k: None)
+    logs = []
+    summary = X.run_grid(spec, tmp_path, log=logs.append)
+    assert ran == [failed.cell_id] and summary["unfinished"] == []
+    assert any("re-running 1" in line and failed.cell_id in line for line in logs)
+    # a cell that keeps failing is reported and makes the CLI exit 1
+    monkeypatch.setattr(X, "run_cell", lambda spec_, cell, out, **kw: {"status": "failed", "error": "boom"})
+    write_cell(tmp_path, done, {"status": "running", "rounds": []})  # interrupted run
+    summary = X.run_grid(spec, tmp_path, log=logs.append)
+    assert summary["failed"] == [done.cell_id] and summary["unfinished"] == [done.cell_id]
+    assert any("FAILED" in line and "boom" in line for line in logs)
+
+
+def test_dry_run_lists_cells(tmp_path, capsys):
+    rc = X.main(["--table", "1", "--epsilons", "3", "none", "--seeds", "0", "--tasks", "synthetic", "--preset", TINY,
+                 "--out", str(tmp_path), "--dry-run"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "6 cells" in out and "synthetic__fedpower__eps3__s0" in out and "missing" in out
+
+
+# ------------------------------------------------------------------------------------------------
+# aggregation math and rendering (synthetic data)
+# ------------------------------------------------------------------------------------------------
+
+def test_mean_std():
+    assert X.mean_std([]) == (None, None, 0)
+    assert X.mean_std([0.5, None]) == (0.5, 0.0, 1)
+    m, s, n = X.mean_std([0.6, 0.7, 0.8])
+    assert n == 3 and math.isclose(m, 0.7) and math.isclose(s, 0.1)  # sample std (ddof = 1)
+
+
+def test_cell_metrics_and_curve():
+    data = fake_results([0.6, 0.8, 0.7], bytes_round=100, agg=0.02)
+    m = X.cell_metrics(data)
+    assert m["final_accuracy"] == 0.7 and m["best_accuracy"] == 0.8
+    assert m["final"]["validation"] == 0.7 and m["best"]["validation"] == 0.8
+    assert math.isclose(m["epsilon"], 5.9) and m["aggregation_seconds"] == 0.02 and m["bytes"] == 900
+    pts = X.curve(data)
+    assert pts[0] == (0, 0.0, 0.5)
+    assert [p[1] for p in pts[1:]] == [2400.0, 4800.0, 7200.0]  # 8 * (up + down), cumulative
+    # a round without evaluation (eval.every > 1) still counts its bytes
+    data["rounds"][1]["accuracy"] = None
+    assert [p[0] for p in X.curve(data)] == [0, 1, 3] and X.curve(data)[-1][1] == 7200.0
+
+
+def synthetic_grid(tmp_path):
+    spec = X.GridSpec(tasks=["sst2", "mnli"], seeds=[0, 1, 2],
+                      tables={"1": (["fedlora", "fedpower"], [None, 6.0]),
+                              "3": (["fedlora", "fedpower-F5", "fedpower"], [6.0])})
+    acc = {  # (task, method, eps) -> per-seed final accuracy
+        ("fedlora", None): [0.80, 0.82, 0.84], ("fedpower", None): [0.85, 0.86, 0.87],
+        ("fedlora", 6.0): [0.50, 0.52, 0.54], ("fedpower", 6.0): [0.60, 0.60, 0.60],
+        ("fedpower-F5", 6.0): [0.55, 0.56, 0.57],
+    }
+    agg = {"fedlora": 0.010, "fedpower": 0.015, "fedpower-F5": 0.011}
+    for cell in spec.cells():
+        a = acc[(cell.method, cell.epsilon)][cell.seed]
+        if cell.task == "mnli":
+            splits = ("validation_matched", "validation_mismatched")
+            rounds = [{splits[0]: 0.4, splits[1]: 0.4}, {splits[0]: a - 0.1, splits[1]: a - 0.2}]
+        else:
+            splits = ("validation",)
+            rounds = [0.9, a]  # best = 0.9, final = a
+        write_cell(tmp_path, cell, fake_results(rounds, splits=splits, agg=agg[cell.method],
+                                                eps_final=None if cell.epsilon is None else 5.99))
+    return spec, acc
+
+
+def test_accuracy_table_math(tmp_path):
+    spec, acc = synthetic_grid(tmp_path)
+    collected = X.collect(tmp_path, spec.cells())
+    table = X.accuracy_table(collected, spec.tasks, ["fedlora", "fedpower"], [None, 6.0], "T1")
+    assert table.headers[:5] == ["Privacy budget", "Method", "SST-2", "MNLI-m", "MNLI-mm"]
+    assert table.headers[5] == "Average"
+    # rows: non-private first, then eps 6 (paper order)
+    assert [r[:2] for r in table.rows] == [["non-private", "FedLoRA"], ["non-private", "FedPower"],
+                                           ["ε = 6", "FedLoRA"], ["ε = 6", "FedPower"]]
+    fl = table.rows[0]
+    m, s = statistics.mean(acc[("fedlora", None)]), statistics.stdev(acc[("fedlora", None)])
+    assert fl[2] == f"{100 * m:.2f} ± {100 * s:.2f}"  # SST-2: 82.00 ± 2.00
+    assert fl[2] == "82.00 ± 2.00"
+    assert fl[3] == "72.00 ± 2.00" and fl[4] == "62.00 ± 2.00"  # MNLI m / mm
+    # average over the three columns per seed: (a + a-0.1 + a-0.2)/3 = a - 0.1
+    assert fl[5] == "72.00 ± 2.00"
+    assert table.rows[3][2] == "60.00 ± 0.00" and table.rows[3][6] == "3"
+    assert table.rows[3][7] == "5.990" and table.rows[0][7] == "—"
+    # best-round variant
+    best = X.accuracy_table(collected, spec.tasks, ["fedlora"], [6.0], "T1b", which="best")
+    assert best.rows[0][2] == "90.00 ± 0.00"
+    # csv: numeric mean/std/n columns
+    table.write(tmp_path, "t")
+    rows = list(csv.DictReader(open(tmp_path / "t.csv")))
+    assert len(rows) == 4 and rows[0]["epsilon"] == "none" and rows[0]["method"] == "fedlora"
+    assert math.isclose(float(rows[0]["SST-2_mean"]), 0.82) and rows[0]["SST-2_n"] == "3"
+    assert math.isclose(float(rows[0]["average_mean"]), 0.72)
+    md = (tmp_path / "t.md").read_text()
+    assert md.startswith("### T1") and "| ε = 6 | FedPower | 60.00 ± 0.00 |" in md
+
+
+def test_missing_cells_render_as_dash(tmp_path):
+    spec, _ = synthetic_grid(tmp_path)
+    collected = X.collect(tmp_path, spec.cells())
+    table = X.accuracy_table(collected, ["sst2"], ["ffa-lora"], [3.0], "T")
+    assert table.rows == [["ε = 3", "FFA-LoRA", "—", "0", "—"]]
+    # a failed run is not aggregated
+    cell = X.Cell("sst2", "fedpower", 6.0, 0)
+    write_cell(tmp_path, cell, fake_results([0.1], status="failed"))
+    table = X.accuracy_table(X.collect(tmp_path, spec.cells()), ["sst2"], ["fedpower"], [6.0], "T")
+    assert table.rows[0][2] == "60.00 ± 0.00" and table.rows[0][3] == "2"
+
+
+def test_refactor_table(tmp_path):
+    spec, _ = synthetic_grid(tmp_path)
+    collected = X.collect(tmp_path, spec.cells())
+    table = X.refactor_table(collected, spec.tasks, ["fedlora", "fedpower-F5", "fedpower"], [6.0], "T3")
+    by = {r[1]: r for r in table.rows}
+    assert by["FedLoRA"][2].startswith("none") and by["FedLoRA"][4] == "+0.0 % (×1.00)"
+    assert by["FedPower (F=5)"][2] == "every 5 rounds" and by["FedPower (F=5)"][4] == "+10.0 % (×1.10)"
+    assert by["FedPower"][2] == "every 1 round" and by["FedPower"][4] == "+50.0 % (×1.50)"
+    assert by["FedPower"][3] == "0.0150 ± 0.0000" and by["FedPower"][7] == "6"  # 3 seeds x 2 tasks
+    assert by["FedPower"][6] == "50.00 ± 0.00"  # average over SST-2, MNLI-m, MNLI-mm = 0.6 - 0.1
+
+
+def test_write_report_tables_and_figures(tmp_path):
+    spec, _ = synthetic_grid(tmp_path)
+    written = X.write_report(spec, tmp_path)
+    assert written["tables"] == ["table1", "table3"]
+    for stem in ("table1", "table3"):
+        assert (tmp_path / f"{stem}.md").stat().st_size > 0 and (tmp_path / f"{stem}.csv").stat().st_size > 0
+    expected = {f"fig_t1_{t}_{e}.png" for t in ("sst2", "mnli") for e in ("nonprivate", "eps6")}
+    expected |= {f"fig_t3_{t}_eps6.png" for t in ("sst2", "mnli")}
+    assert set(written["figures"]) == expected
+    for name in expected:
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert X.mean_curve(X.collect(tmp_path, spec.cells()).get("sst2", "fedpower", 6.0))[0] == [0, 1, 2]
+
+
+# ------------------------------------------------------------------------------------------------
+# end to end through `flwr run` (slow)
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_tiny_grid_end_to_end(tmp_path, capsys):
+    out = tmp_path / "grid"
+    argv = ["--table", "1", "--methods", "fedpower", "fedlora", "--epsilons", "8", "--seeds", "0",
+            "--tasks", "synthetic", "--preset", TINY, "--supernodes", "3", "--out", str(out),
+            "--set", "num-server-rounds=2", "--port", "39471", "--cell-timeout", "1200"]
+    assert X.main(argv) == 0, capsys.readouterr()
+    printed = capsys.readouterr().out
+    assert "[cell 1/2]" in printed and "[cell 2/2]" in printed and "ETA" in printed
+    for method in ("fedpower", "fedlora"):
+        cell_dir = out / "cells" / f"synthetic__{method}__eps8__s0"
+        results = json.loads((cell_dir / "results.json").read_text())
+        assert results["status"] == "completed" and len(results["rounds"]) == 2
+        assert results["config"]["strategy.name"] == method and results["config"]["dp.epsilon"] == 8.0
+        assert all(r["bytes_up"] > 0 and r["bytes_down"] > 0 for r in results["rounds"])
+        assert json.loads((cell_dir / "cell.json").read_text())["status"] == "completed"
+        assert not (cell_dir / "adapter").exists()
+    md = (out / "table1.md").read_text()
+    assert "| ε = 8 | FedPower |" in md and "| ε = 8 | FedLoRA |" in md
+    rows = list(csv.DictReader(open(out / "table1.csv")))
+    assert [r["method"] for r in rows] == ["fedpower", "fedlora"] and all(r["synthetic_n"] == "1" for r in rows)
+    png = out / "fig_t1_synthetic_eps8.png"
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert len(manifest["cells"]) == 2 and manifest["invocations"][-1]["ran"]
+    # resume: a second invocation runs 0 cells
+    assert X.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "2 already finished, 0 to run" in printed and "[cell" not in printed
