@@ -22,7 +22,7 @@ from fedpower_app.logging_setup import setup_logging
 from fedpower_app.privacy import build_privacy
 from fedpower_app.results import ResultsWriter
 from fedpower_app.training import evaluate as evaluate_model
-from strategies.flower import RoundReport, build_strategy
+from strategies.flower import RoundReport, build_strategy, exchange
 from strategies.noise import NoiseSource
 
 app = ServerApp()
@@ -46,7 +46,7 @@ def discover_clients(grid: Grid, cfg: RunConfig) -> dict[int, int]:
     content = RecordDict({"config": ConfigRecord({"query": "dataset-size"})})
     msgs = [Message(content=content, dst_node_id=n, message_type=MessageType.QUERY) for n in nodes]
     sizes: dict[int, int] = {}
-    for reply in grid.send_and_receive(msgs, timeout=cfg["strategy.round-timeout"]):
+    for reply in exchange(grid, msgs, cfg["strategy.round-timeout"]):
         node = reply.metadata.src_node_id
         if reply.has_error():
             log.warning("node %s failed the size query and is left out: %s", node, reply.error.reason)
