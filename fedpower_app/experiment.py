@@ -394,9 +394,8 @@ def run_cell(spec: GridSpec, cell: Cell, out: Path, *, flwr_home: Path, port: in
         entry.update(run_id=None, flwr_status=f"launcher error: {type(exc).__name__}: {exc}", seconds=None)
         output = str(exc)
     status = cell_status(out, cell)
-    if status in FINISHED and not str(entry["flwr_status"]).startswith("finished:completed"):
-        # results.json says finished but Flower disagrees: trust neither silently.
-        status = f"inconsistent ({entry['flwr_status']})"
+    if status not in FINISHED and entry.get("run_id") and not str(entry["flwr_status"]).startswith("finished"):
+        _stop_run(entry["run_id"], flwr_home, port)  # e.g. after --cell-timeout: do not leave it running
     entry["status"] = status
     entry["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
     (cell_dir / "flwr.log").write_text(_flwr_log_excerpt(output, status in FINISHED))
@@ -409,6 +408,19 @@ def run_cell(spec: GridSpec, cell: Cell, out: Path, *, flwr_home: Path, port: in
     return entry
 
 
+def _stop_run(run_id: str, flwr_home: Path, port: int) -> None:
+    """Best effort ``flwr stop <run-id>`` (``flwr run`` returning does not stop a run on the SuperLink)."""
+    import subprocess
+
+    from .launcher import _flwr, flwr_env
+
+    try:
+        subprocess.run([_flwr(), "stop", str(run_id)], env=flwr_env(flwr_home, port), capture_output=True,
+                       text=True, timeout=120, check=False)
+    except (OSError, subprocess.SubprocessError, RuntimeError):
+        pass
+
+
 def _last_error_line(output: str) -> str:
     for line in reversed(output.splitlines()):
         if re.search(r"error|exception|traceback", line, re.I):
@@ -419,10 +431,13 @@ def _last_error_line(output: str) -> str:
 def run_grid(spec: GridSpec, out: Path, *, flwr_home: Path | None = None, port: int | None = None,
              echo: bool = False, timeout: float | None = None, keep_adapters: bool = False,
              argv: Sequence[str] | None = None, max_cells: int | None = None,
-             log=print) -> dict[str, Any]:
+             log=None) -> dict[str, Any]:
     """Run every unfinished cell of the grid; return a summary (ran, skipped, failed cell ids)."""
     from .launcher import stop_local_superlink
 
+    if log is None:
+        def log(msg: str) -> None:
+            print(msg, flush=True)
     out.mkdir(parents=True, exist_ok=True)
     cells = validate(spec, out)
     flwr_home = Path(flwr_home) if flwr_home else out / "flwr-home"
@@ -450,8 +465,8 @@ def run_grid(spec: GridSpec, out: Path, *, flwr_home: Path | None = None, port: 
     manifest.save()
     if max_cells is not None:
         todo = todo[:max_cells]
-    log(f"fedpower-experiment: {len(cells)} cells in the grid, {len(cells) - len(todo) if max_cells is None else invocation['skipped']} "
-        f"already finished, {len(todo)} to run -> {out}")
+    log(f"fedpower-experiment: {len(cells)} cells in the grid, {invocation['skipped']} already finished, "
+        f"{len(todo)} to run -> {out}")
     previously_failed = [c.cell_id for c in todo if cell_status(out, c) not in ("missing",)]
     if previously_failed:
         log(f"fedpower-experiment: re-running {len(previously_failed)} unfinished/failed cell(s): {', '.join(previously_failed)}")
@@ -643,8 +658,7 @@ class Table:
                 w.writerow(["" if v is None else (f"{v:.6g}" if isinstance(v, float) else v) for v in row])
 
 
-def _seed_average_over_columns(seeds: dict[int, dict[str, Any]], cols: list[tuple[str, str, str]],
-                               collected: Collected, method: str, eps: float | None, which: str) -> list[float]:
+def _seed_average_over_columns(cols: list[tuple[str, str, str]], collected: Collected, method: str, eps: float | None, which: str) -> list[float]:
     """Per seed: the average over all task columns (only seeds that finished every task)."""
     per_seed: list[float] = []
     common = None
@@ -691,7 +705,7 @@ def accuracy_table(collected: Collected, tasks: Sequence[str], methods: Sequence
                 spent += [m["epsilon"] for m in metrics if m["epsilon"] is not None]
                 zs += [m["z"] for m in metrics if m["z"] is not None]
             if multi:
-                per_seed = _seed_average_over_columns({}, cols, collected, method, eps, which)
+                per_seed = _seed_average_over_columns(cols, collected, method, eps, which)
                 mean, std, n = mean_std(per_seed)
                 row.append(_pm(mean, std, n))
                 crow += [mean, std, n]
@@ -727,7 +741,7 @@ def refactor_table(collected: Collected, tasks: Sequence[str], methods: Sequence
             metrics = [cell_metrics(d) for task in tasks for d in collected.get(task, method, eps).values()]
             agg = mean_std(m["aggregation_seconds"] for m in metrics)
             wall = mean_std(m["wall_seconds"] for m in metrics)
-            acc_per_seed = _seed_average_over_columns({}, cols, collected, method, eps, "final")
+            acc_per_seed = _seed_average_over_columns(cols, collected, method, eps, "final")
             acc = mean_std(acc_per_seed)
             stats[method] = (agg, wall, acc, len(metrics))
             if method == "fedlora":

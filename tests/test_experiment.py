@@ -151,7 +151,7 @@ def test_grid_files_and_table_flags(tmp_path):
                               "--data-dir", "/work/shared/glue/SST-2", "--out", str(tmp_path)])
     spec, out = X.build_spec(args)
     assert out == tmp_path.resolve()
-    assert spec.seeds == [0, 1, 2] and spec.nonprivate_lr == 0.05
+    assert spec.seeds == [0, 1, 2] and spec.nonprivate_lr == 0.005
     assert spec.tables["1"][1] == [None, 9.0, 6.0, 3.0]
     assert spec.tables["2"][1] == [6.0] and spec.tables["3"][1] == [6.0]
     cells = X.validate(spec, out)
@@ -207,6 +207,10 @@ def test_resume_skips_finished_cells(tmp_path, monkeypatch):
                  "--tasks", "synthetic", "--preset", TINY, "--supernodes", "3", "--out", str(tmp_path)])
     assert rc == 0 and calls == []
     assert (tmp_path / "table1.md").exists()
+    # --report-only re-renders from the manifest's grid, without running anything
+    (tmp_path / "table1.md").unlink()
+    assert X.main(["--out", str(tmp_path), "--report-only"]) == 0 and calls == []
+    assert "| ε = 8 | FedPower | 70.00 ± 0.00 |" in (tmp_path / "table1.md").read_text()
 
 
 def test_resume_reruns_failed_and_interrupted_cells(tmp_path, monkeypatch):
