@@ -183,7 +183,7 @@ class BareRun:
         self.__dict__.update(_bare_setup(overrides, device_name))
         self.t_start = time.perf_counter()
         self.central_eval()  # round 0, as the ServerApp does
-        self.round_s, self.agg_s, self.train_s, self.eval_s, self.sampled_n = [], [], [], [], []
+        self.round_s: list[float] = []
         self.busy = time.perf_counter() - self.t_start
 
     def step(self, rnd: int) -> None:
@@ -389,7 +389,9 @@ def run(*, rounds: int, device, only: set[str], workdir: Path | None = None, tim
     dev = "cuda" if device.type == "cuda" else "cpu"
     data: dict = {"rounds": rounds, "supernodes": NUM_SUPERNODES, "workdir": str(workdir),
                   "client_resources": {"num_cpus": cpus_per_client, "num_gpus": gpus_per_client}}
-    fkw = dict(cpus_per_client=cpus_per_client, gpus_per_client=gpus_per_client)
+    # Flower parses num-cpus as an integer: pass 2, not 2.0.
+    fkw = dict(cpus_per_client=int(cpus_per_client) if float(cpus_per_client).is_integer() else cpus_per_client,
+               gpus_per_client=int(gpus_per_client) if float(gpus_per_client).is_integer() else gpus_per_client)
     rows: list[Row] = []
 
     # Warm the token cache and the model files once so no measured run pays for tokenisation.

@@ -334,6 +334,26 @@ def is_finished(out: Path, cell: Cell) -> bool:
     return cell_status(out, cell) in FINISHED
 
 
+def _inside(path: Path, root: Path) -> bool:
+    try:
+        Path(path).resolve().relative_to(Path(root).resolve())
+        return True
+    except ValueError:
+        return False
+
+
+def default_flwr_home(out: Path) -> Path:
+    """A Flower home private to this grid: ``<out>/flwr-home``, or, when ``<out>`` is inside the app
+    directory (e.g. ``results/``), ``~/.cache/fedpower/flwr-home-<hash of out>``, because ``flwr run``
+    packages every .py/.toml/.json/.md file under the app directory (except .gitignore'd ones) and
+    the installed apps in a Flower home nested there would be packaged recursively."""
+    out = Path(out).resolve()
+    if not _inside(out, PROJECT_ROOT):
+        return out / "flwr-home"
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fedpower"
+    return cache / f"flwr-home-{zlib.crc32(str(out).encode()):08x}"
+
+
 def default_port(out: Path) -> int:
     """A private managed-SuperLink port derived from the output directory (stable across resumes)."""
     return 41000 + (zlib.crc32(str(out.resolve()).encode()) % 1500) * 4
@@ -422,7 +442,17 @@ def _stop_run(run_id: str, flwr_home: Path, port: int) -> None:
 
 
 def _last_error_line(output: str) -> str:
-    for line in reversed(output.splitlines()):
+    """The gist of a failed run's output: Flower's boxed error message, or the last error-like line."""
+    lines = output.splitlines()
+    for i, line in enumerate(lines):
+        if "╭─ Error" in line:
+            body = []
+            for inner in lines[i + 1:]:
+                if inner.startswith("╰"):
+                    break
+                body.append(inner.strip("│ ").strip())
+            return " ".join(b for b in body if b)[:500]
+    for line in reversed(lines):
         if re.search(r"error|exception|traceback", line, re.I):
             return line.strip()[:500]
     return "no results.json written (see flwr.log)"
@@ -431,7 +461,7 @@ def _last_error_line(output: str) -> str:
 def run_grid(spec: GridSpec, out: Path, *, flwr_home: Path | None = None, port: int | None = None,
              echo: bool = False, timeout: float | None = None, keep_adapters: bool = False,
              argv: Sequence[str] | None = None, max_cells: int | None = None,
-             log=None) -> dict[str, Any]:
+             max_consecutive_failures: int | None = 3, log=None) -> dict[str, Any]:
     """Run every unfinished cell of the grid; return a summary (ran, skipped, failed cell ids)."""
     from .launcher import stop_local_superlink
 
@@ -440,16 +470,22 @@ def run_grid(spec: GridSpec, out: Path, *, flwr_home: Path | None = None, port: 
             print(msg, flush=True)
     out.mkdir(parents=True, exist_ok=True)
     cells = validate(spec, out)
-    flwr_home = Path(flwr_home) if flwr_home else out / "flwr-home"
+    flwr_home = Path(flwr_home).expanduser().resolve() if flwr_home else default_flwr_home(out)
+    if _inside(flwr_home, PROJECT_ROOT):
+        raise GridError(f"the Flower home {flwr_home} is inside the app directory {PROJECT_ROOT}: `flwr run` would "
+                        "package the installed apps into every FAB; choose a directory outside it")
     port = port or default_port(out)
     gitignore = out / ".gitignore"
     if not gitignore.exists():
         gitignore.write_text("# written by fedpower-experiment: Flower state and model adapters are not results\n"
                              "flwr-home/\ncells/*/adapter/\n*.tmp\n")
+    manifest_home = str(flwr_home)
     manifest = Manifest(out)
     manifest.data["format"] = FORMAT
     manifest.data["grid"] = spec.to_dict()
     manifest.data["project_root"] = str(PROJECT_ROOT)
+    manifest.data["flwr_home"] = manifest_home
+    manifest.data["superlink_port"] = port
     invocation = {"argv": list(argv) if argv is not None else None, "started_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
                   "ran": [], "skipped": 0, "failed": []}
     manifest.data["invocations"].append(invocation)
@@ -497,6 +533,12 @@ def run_grid(spec: GridSpec, out: Path, *, flwr_home: Path | None = None, port: 
                 log(f"[cell {i}/{len(todo)}] {cell.cell_id}: FAILED ({entry['status']}): {entry.get('error')} | "
                     f"log {out / 'cells' / cell.cell_id / 'flwr.log'} | ETA {_fmt_seconds(eta)} for {remaining} more")
             manifest.save()
+            streak = len(invocation["failed"]) and all(
+                c in invocation["failed"] for c in invocation["ran"][-(max_consecutive_failures or 0):])
+            if max_consecutive_failures and len(invocation["ran"]) >= max_consecutive_failures and streak:
+                log(f"fedpower-experiment: {max_consecutive_failures} cells failed in a row; stopping (the problem "
+                    "is probably not cell specific). Fix it and run the same command again to resume.")
+                break
     finally:
         invocation["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
         invocation["seconds"] = round(time.time() - t_grid, 1)
@@ -714,11 +756,26 @@ def accuracy_table(collected: Collected, tasks: Sequence[str], methods: Sequence
             crow += [statistics.mean(spent) if spent else None, statistics.mean(zs) if zs else None]
             rows.append(row)
             csv_rows.append(crow)
+    init_parts = []
+    for task, split, header in cols:
+        per_seed: dict[int, float] = {}
+        for (t, _, _), seeds in collected.runs.items():
+            if t == task:
+                for seed, data in seeds.items():
+                    v = (data.get("initial_evaluation") or {}).get(f"{split}-accuracy")
+                    if v is not None:
+                        per_seed.setdefault(seed, float(v))
+        mean, std, n = mean_std(per_seed.values())
+        if n:
+            init_parts.append(f"{header} {_pm(mean, std, n)} (n={n})")
     notes = [f"Accuracy in %, {'final (last evaluated round)' if which == 'final' else 'best over rounds'}, "
              "mean ± sample std over seeds (n seeds per cell). "
              + ("Average = mean over the task columns per seed (seeds that finished every task), then mean ± std. " if multi else "")
              + "ε spent = accountant's ε after the last round (target in the first column), δ from the config; "
              "— = no finished run."]
+    if init_parts:
+        notes.append("")
+        notes.append("Initial model (round 0, LoRA B = 0, untrained frozen head), per seed: " + "; ".join(init_parts) + ".")
     return Table(title, headers, rows, csv_headers, csv_rows, notes)
 
 
@@ -813,7 +870,7 @@ def plot_curves(collected: Collected, task: str, eps: float | None, methods: Seq
         ax2.fill_between(bits, lo, hi, alpha=0.15, color=line.get_color())
     ax1.set_xlabel("round")
     ax2.set_xlabel("transferred bits (up + down, cumulative)")
-    ax2.set_xscale("symlog", linthresh=1e6)
+    ax2.ticklabel_format(axis="x", style="sci", scilimits=(0, 0))
     for ax in (ax1, ax2):
         ax.set_ylabel("accuracy")
         ax.grid(alpha=0.3)
@@ -984,8 +1041,12 @@ def make_parser() -> argparse.ArgumentParser:
     r.add_argument("--dry-run", action="store_true", help="list the cells and their status, run nothing")
     r.add_argument("--report-only", action="store_true", help="only (re)write tables and figures from finished cells")
     r.add_argument("--max-cells", type=int, metavar="N", help="run at most N unfinished cells this time")
+    r.add_argument("--max-consecutive-failures", type=int, default=3, metavar="N",
+                   help="stop the grid after N failed cells in a row (default 3; 0 = never)")
     r.add_argument("--cell-timeout", type=float, default=None, metavar="S", help="give up on a cell after S seconds")
-    r.add_argument("--flwr-home", metavar="DIR", help="Flower home (default <out>/flwr-home, private to this grid)")
+    r.add_argument("--flwr-home", metavar="DIR", help="Flower home, private to this grid (default <out>/flwr-home, or "
+                                                      "~/.cache/fedpower/flwr-home-<hash> when <out> is inside the app "
+                                                      "directory); must be outside the app directory")
     r.add_argument("--port", type=int, help="private managed SuperLink port (default derived from --out)")
     r.add_argument("--keep-adapters", action="store_true", help="keep each cell's final adapter/ (deleted by default)")
     r.add_argument("--echo", action="store_true", help="stream every run's Flower output")
@@ -1018,10 +1079,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             summary = run_grid(spec, out, flwr_home=Path(args.flwr_home) if args.flwr_home else None, port=args.port,
                                echo=args.echo, timeout=args.cell_timeout, keep_adapters=args.keep_adapters,
-                               argv=argv_list, max_cells=args.max_cells)
+                               argv=argv_list, max_cells=args.max_cells,
+                               max_consecutive_failures=args.max_consecutive_failures)
         except KeyboardInterrupt:
             print("fedpower-experiment: interrupted; run the same command again to resume", file=sys.stderr)
             return 130
+        except GridError as exc:
+            print(f"fedpower-experiment: error: {exc}", file=sys.stderr)
+            return 2
     written = write_report(spec, out)
     print(f"fedpower-experiment: wrote {', '.join(t + '.md/.csv' for t in written['tables'])} and "
           f"{len(written['figures'])} figure(s) in {out}")

@@ -11,6 +11,7 @@ asks ``flwr ls --format json`` for the run's status and exits non-zero unless it
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import re
@@ -69,6 +70,13 @@ def flwr_env(flwr_home: str | Path | None, superlink_port: int | None = None) ->
     (so parallel jobs on one host do not share a managed SuperLink)."""
     env = dict(os.environ)
     env.update({k: env.get(k, v) for k, v in OFFLINE_ENV.items()})
+    # flwr spawns flower-superlink / flwr-simulation by name: make this interpreter's scripts findable
+    # even when the venv is not activated.
+    bin_dir = str(Path(sys.executable).parent)
+    if bin_dir not in env.get("PATH", "").split(os.pathsep):
+        env["PATH"] = bin_dir + os.pathsep + env.get("PATH", "")
+    if superlink_port is None and flwr_home:
+        superlink_port = default_superlink_port(flwr_home)
     if superlink_port:
         env["FLWR_LOCAL_SUPERLINK_HTTP_API_PORT"] = str(superlink_port)
         env["FLWR_LOCAL_CONTROL_API_PORT"] = str(superlink_port + 2)
@@ -76,6 +84,17 @@ def flwr_env(flwr_home: str | Path | None, superlink_port: int | None = None) ->
         env["FLWR_HOME"] = str(Path(flwr_home).expanduser().resolve())
         Path(env["FLWR_HOME"]).mkdir(parents=True, exist_ok=True)
     return env
+
+
+def default_superlink_port(flwr_home: str | Path) -> int:
+    """A stable private port per FLWR_HOME (the managed SuperLink is shared by port, not by home)."""
+    digest = hashlib.sha256(str(Path(flwr_home).expanduser().resolve()).encode()).digest()
+    return 40000 + int.from_bytes(digest[:2], "little") % 20000 // 4 * 4
+
+
+def _num(value: float) -> str:
+    """Flower rejects `num-cpus=2.0`: whole numbers as ints."""
+    return str(int(value)) if float(value).is_integer() else str(value)
 
 
 def _flwr() -> str:
@@ -116,8 +135,8 @@ def run_flwr(
     env = flwr_env(flwr_home, superlink_port)
     cmd = [_flwr(), "run", str(app_dir), "--stream",
            "--federation-config",
-           f"num-supernodes={num_supernodes} client-resources-num-cpus={cpus_per_client} "
-           f"client-resources-num-gpus={gpus_per_client}"]
+           f"num-supernodes={num_supernodes} client-resources-num-cpus={_num(cpus_per_client)} "
+           f"client-resources-num-gpus={_num(gpus_per_client)}"]
     # flwr refuses a TOML file together with key=value pairs, so a preset is merged into the pairs.
     merged = {**(load_preset(preset) if preset else {}), **(overrides or {})}
     if merged:

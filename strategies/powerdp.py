@@ -33,8 +33,7 @@ from typing import Callable
 
 import torch
 
-# A Gaussian sampler: (shape, std, generator) -> tensor. ``NoiseSource.gaussian`` fits. It must
-# return a fresh tensor: PowerDP adds the released block into it in place.
+# A Gaussian sampler: (shape, std, generator) -> tensor. ``NoiseSource.gaussian`` fits.
 GaussianSampler = Callable[..., torch.Tensor]
 
 
@@ -103,9 +102,8 @@ def _operator(W=None, factors=None):
 
 
 def _add_noise(X: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-    """X + noise as a contiguous tensor (in place into ``noise`` when it is a fresh, matching tensor)."""
-    if noise.shape == X.shape and noise.dtype == X.dtype and noise.is_contiguous() and noise.data_ptr() != X.data_ptr():
-        return noise.add_(X)
+    """X + noise in a new tensor. Never in place: a pluggable sampler may return a tensor that is
+    aliased elsewhere, and noise must never be reused (spec §8). The copy is O(M (m + n) r)."""
     return (X + noise).contiguous()
 
 
@@ -181,7 +179,6 @@ def powerdp(
     B = op.right_rows(Q).transpose(-1, -2)  # (M, m, r) view
     del Q, op
     # Fresh noise for each released block, drawn in a fixed order: B~ first, then A~.
-    # noise + B == B + noise exactly; adding into the fresh noise tensor saves a copy.
     B_tilde = _add_noise(B, sample(tuple(B.shape), noise_std, generator, dtype=dtype, device=device))
     A_noisy = _add_noise(A, sample(tuple(A.shape), noise_std, generator, dtype=dtype, device=device))
     return B_tilde, orthonormalize_rows(A_noisy)

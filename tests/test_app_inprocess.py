@@ -72,6 +72,7 @@ def test_failing_client_is_dropped_and_round_goes_on(tmp_path):
     assert res["status"] == "completed"
 
 
+@pytest.mark.slow  # ~1-4 min on 2 CPUs: a real learning curve
 def test_nonprivate_fedlora_learns(tmp_path):
     res, _ = run_inprocess(tmp_path, **{"num-server-rounds": 4, "strategy.name": "fedlora", "dp.level": "none",
                                         "train.local-steps": 6, "train.lr": 0.005})

@@ -242,6 +242,26 @@ def test_resume_reruns_failed_and_interrupted_cells(tmp_path, monkeypatch):
     assert any("FAILED" in line and "boom" in line for line in logs)
 
 
+def test_grid_stops_after_consecutive_failures(tmp_path, monkeypatch):
+    spec = tiny_spec(seeds=[0, 1, 2])  # 6 cells
+    ran = []
+    monkeypatch.setattr(X, "run_cell", lambda spec_, cell, out, **kw: ran.append(cell.cell_id) or {"status": "missing"})
+    import fedpower_app.launcher as L
+
+    monkeypatch.setattr(L, "stop_local_superlink", lambda *a, **k: None)
+    logs = []
+    summary = X.run_grid(spec, tmp_path, log=logs.append, max_consecutive_failures=3)
+    assert len(ran) == 3 and len(summary["unfinished"]) == 6 and any("3 cells failed in a row" in m for m in logs)
+
+
+def test_flwr_home_never_inside_the_app(tmp_path):
+    inside = PROJECT_ROOT / "results" / "x"
+    home = X.default_flwr_home(inside)
+    assert not X._inside(home, PROJECT_ROOT) and X.default_flwr_home(tmp_path) == tmp_path.resolve() / "flwr-home"
+    with pytest.raises(X.GridError, match="inside the app directory"):
+        X.run_grid(tiny_spec(), tmp_path, flwr_home=PROJECT_ROOT / "flwr-home", log=lambda *_: None)
+
+
 def test_dry_run_lists_cells(tmp_path, capsys):
     rc = X.main(["--table", "1", "--epsilons", "3", "none", "--seeds", "0", "--tasks", "synthetic", "--preset", TINY,
                  "--out", str(tmp_path), "--dry-run"])
