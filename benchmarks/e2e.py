@@ -15,12 +15,10 @@ The CPU preset is pyproject.toml's defaults (synthetic task, MiniLM, 6 silos, cl
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import shutil
 import socket
-import statistics
 import sys
 import tempfile
 import time
@@ -288,62 +286,11 @@ def _bare_setup(overrides: dict, device_name: str) -> dict:
 # Real ServerApp/ClientApp code on an in-process Grid (Flower messages, no Ray, no SuperLink)
 # ----------------------------------------------------------------------------------------------
 def inprocess_flower(overrides: dict, device_name: str, out_dir: Path) -> dict:
-    from flwr.app import Context, Error, Message, RecordDict
-    from flwr.serverapp import Grid
-    from flwr.supercore.run import Run
-    from flwr.supercore.task_identity import TaskIdentity
-
     from client_app.app import app as client_app
+    from fedpower_app.inprocess import InProcessGrid
     from fedpower_app.config import parse_config
     from fedpower_app.results import ResultsWriter
     from server_app.app import _run
-
-    class _Grid(Grid):
-        """Delivers messages to the ClientApp synchronously; copies content like a real transport."""
-
-        def __init__(self, num_nodes, run_config):
-            TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 1, 1
-            self._run = Run.create_empty(run_id=1)
-            self.node_ids = [100 + i for i in range(num_nodes)]
-            self._ctx = {nid: Context(run_id=1, node_id=nid, node_config={"partition-id": i, "num-partitions": num_nodes},
-                                      state=RecordDict(), run_config=dict(run_config)) for i, nid in enumerate(self.node_ids)}
-            self._replies = {}
-
-        def set_run(self, run_id):
-            self._run = Run.create_empty(run_id=run_id)
-
-        @property
-        def run(self):
-            return self._run
-
-        def create_message(self, content, message_type, dst_node_id, group_id, ttl=None):
-            return Message(content, dst_node_id, message_type, ttl=ttl, group_id=group_id)
-
-        def get_node_ids(self):
-            return list(self.node_ids)
-
-        def push_messages(self, messages):
-            ids = []
-            for msg in messages:
-                mid = uuid.uuid4().hex
-                msg.metadata.__dict__["_message_id"] = mid
-                dst = msg.metadata.dst_node_id
-                delivered = Message(copy.deepcopy(msg.content), dst, msg.metadata.message_type)
-                delivered.metadata.__dict__["_message_id"] = mid
-                try:
-                    reply = client_app(delivered, self._ctx[dst])
-                except Exception as exc:  # pragma: no cover
-                    reply = Message(Error(code=2, reason=repr(exc)), reply_to=delivered)
-                reply.metadata.__dict__["_src_node_id"] = dst
-                self._replies[mid] = reply
-                ids.append(mid)
-            return ids
-
-        def pull_messages(self, message_ids):
-            return [r for i in message_ids if (r := self._replies.pop(i, None)) is not None]
-
-        def send_and_receive(self, messages, *, timeout=None):
-            return self.pull_messages(self.push_messages(messages))
 
     run_name = f"inproc-{overrides['strategy.name']}-{uuid.uuid4().hex[:6]}"
     run_config = {**overrides, "device": device_name, "run-name": run_name, "output-dir": str(out_dir)}
@@ -353,7 +300,7 @@ def inprocess_flower(overrides: dict, device_name: str, out_dir: Path) -> dict:
     _fresh_model(cfg, load_task(cfg).num_labels)
     run_dir = out_dir / run_name
     results = ResultsWriter(run_dir, cfg.to_dict())
-    _run(_Grid(NUM_SUPERNODES, run_config), cfg, run_dir, results)
+    _run(InProcessGrid(client_app, NUM_SUPERNODES, run_config), cfg, run_dir, results)
     rounds = results.data["rounds"]
     walls = [r["wall_seconds"] for r in rounds]
     return {"round_seconds": [walls[0]] + [b - a for a, b in zip(walls, walls[1:])],

@@ -405,6 +405,7 @@ def run_cell(spec: GridSpec, cell: Cell, out: Path, *, flwr_home: Path, port: in
                              "epsilon": "none" if cell.epsilon is None else cell.epsilon, "seed": cell.seed,
                              "overrides": overrides, "started_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
     _write_json(cell_dir / "cell.json", entry)
+    watchdog = _Watchdog(timeout) if timeout else None
     try:
         outcome = run_flwr(PROJECT_ROOT, overrides, num_supernodes=spec.supernodes, flwr_home=flwr_home,
                            superlink_port=port, echo=echo, timeout=timeout)
@@ -413,6 +414,11 @@ def run_cell(spec: GridSpec, cell: Cell, out: Path, *, flwr_home: Path, port: in
     except Exception as exc:  # launcher problem (flwr missing, ...): the cell failed, the grid goes on
         entry.update(run_id=None, flwr_status=f"launcher error: {type(exc).__name__}: {exc}", seconds=None)
         output = str(exc)
+    finally:
+        if watchdog:
+            watchdog.cancel()
+    if watchdog and watchdog.fired:
+        entry["flwr_status"] = f"{entry.get('flwr_status')} (timed out after {timeout:.0f} s)"
     status = cell_status(out, cell)
     if status not in FINISHED and entry.get("run_id") and not str(entry["flwr_status"]).startswith("finished"):
         _stop_run(entry["run_id"], flwr_home, port)  # e.g. after --cell-timeout: do not leave it running
@@ -426,6 +432,36 @@ def run_cell(spec: GridSpec, cell: Cell, out: Path, *, flwr_home: Path, port: in
         shutil.rmtree(cell_dir / "adapter", ignore_errors=True)
     _write_json(cell_dir / "cell.json", entry)
     return entry
+
+
+class _Watchdog:
+    """After ``timeout`` seconds, terminate this process's own ``flwr run`` child (by pid), so that a
+    run that hangs without printing anything cannot block the grid; the run itself is then stopped
+    on the SuperLink with ``flwr stop``. (``run_flwr``'s own timeout is only checked when a line of
+    output arrives.)"""
+
+    def __init__(self, timeout: float) -> None:
+        import threading
+
+        self.fired = False
+        self._timer = threading.Timer(timeout, self._fire)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _fire(self) -> None:
+        import psutil
+
+        self.fired = True
+        for child in psutil.Process().children(recursive=False):
+            try:
+                cmd = child.cmdline()
+            except psutil.Error:
+                continue
+            if any(Path(c).name == "flwr" for c in cmd[:2]) and "run" in cmd:
+                child.terminate()
+
+    def cancel(self) -> None:
+        self._timer.cancel()
 
 
 def _stop_run(run_id: str, flwr_home: Path, port: int) -> None:
@@ -940,7 +976,7 @@ def _load_grid_file(path: str) -> dict[str, Any]:
         raise GridError(f"grid file {path}: {exc}") from None
 
 
-_GRID_KEYS = {"out", "preset", "tasks", "seeds", "methods", "epsilons", "overrides", "data-dir", "nonprivate-lr",
+_GRID_KEYS = {"out", "cell-timeout", "preset", "tasks", "seeds", "methods", "epsilons", "overrides", "data-dir", "nonprivate-lr",
               "supernodes", "table1", "table2", "table3"}
 
 
@@ -1043,7 +1079,9 @@ def make_parser() -> argparse.ArgumentParser:
     r.add_argument("--max-cells", type=int, metavar="N", help="run at most N unfinished cells this time")
     r.add_argument("--max-consecutive-failures", type=int, default=3, metavar="N",
                    help="stop the grid after N failed cells in a row (default 3; 0 = never)")
-    r.add_argument("--cell-timeout", type=float, default=None, metavar="S", help="give up on a cell after S seconds")
+    r.add_argument("--cell-timeout", type=float, metavar="S",
+                   help="give up on a cell after S seconds (stopped, reported as failed, retried on the next "
+                        "invocation); default: no limit, or 'cell-timeout' of the grid file")
     r.add_argument("--flwr-home", metavar="DIR", help="Flower home, private to this grid (default <out>/flwr-home, or "
                                                       "~/.cache/fedpower/flwr-home-<hash> when <out> is inside the app "
                                                       "directory); must be outside the app directory")
@@ -1066,6 +1104,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             spec, out = build_spec(args)
         cells = validate(spec, out)
+        cell_timeout = args.cell_timeout
+        if cell_timeout is None and args.grid:
+            cell_timeout = _load_grid_file(args.grid).get("cell-timeout")
     except GridError as exc:
         print(f"fedpower-experiment: error: {exc}", file=sys.stderr)
         return 2
@@ -1076,13 +1117,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     summary = None
     if not args.report_only:
+        import signal
+
+        def _on_sigterm(signum, frame):  # behave like Ctrl-C: save the manifest, stop the SuperLink
+            raise KeyboardInterrupt(f"signal {signum}")
+
+        signal.signal(signal.SIGTERM, _on_sigterm)
         try:
             summary = run_grid(spec, out, flwr_home=Path(args.flwr_home) if args.flwr_home else None, port=args.port,
-                               echo=args.echo, timeout=args.cell_timeout, keep_adapters=args.keep_adapters,
+                               echo=args.echo, timeout=cell_timeout, keep_adapters=args.keep_adapters,
                                argv=argv_list, max_cells=args.max_cells,
                                max_consecutive_failures=args.max_consecutive_failures)
-        except KeyboardInterrupt:
-            print("fedpower-experiment: interrupted; run the same command again to resume", file=sys.stderr)
+        except KeyboardInterrupt as exc:
+            print(f"fedpower-experiment: interrupted ({exc or 'Ctrl-C'}) at {time.strftime('%Y-%m-%dT%H:%M:%S')}; "
+                  "run the same command again to resume", file=sys.stderr, flush=True)
             return 130
         except GridError as exc:
             print(f"fedpower-experiment: error: {exc}", file=sys.stderr)

@@ -34,7 +34,7 @@ from .aggregation import (
     weighted_sum,
 )
 from .noise import NoiseSource
-from .powerdp import input_perturbation, output_perturbation, power_iteration, powerdp
+from .powerdp import input_perturbation, output_perturbation, powerdp
 
 
 @dataclass

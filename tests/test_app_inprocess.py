@@ -12,7 +12,7 @@ from client_app.app import app as client_app
 from fedpower_app.config import parse_config
 from fedpower_app.results import ResultsWriter
 from server_app import app as server
-from tests.inprocess import InProcessGrid
+from fedpower_app.inprocess import InProcessGrid
 
 TINY = {"task.synthetic-train-size": 240, "task.synthetic-eval-size": 120, "task.max-length": 32,
         "train.local-steps": 2, "train.batch-size": 16, "strategy.client-rate": 1.0}

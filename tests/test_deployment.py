@@ -5,8 +5,6 @@ recipe; completion is asserted through `flwr ls --format json`.
 """
 
 import json
-import os
-import shutil
 import socket
 import subprocess
 import sys

@@ -5,11 +5,9 @@ Completion is asserted through ``flwr ls --format json`` (``flwr run`` exits 0 o
 """
 
 import json
-import os
 import subprocess
 
 import pytest
-import torch
 
 from fedpower_app.config import PROJECT_ROOT
 from fedpower_app.launcher import flwr_env, run_flwr, stop_local_superlink
@@ -64,8 +62,6 @@ def test_flwr_run_completes_and_writes_results(strategy, flwr_home, tmp_path):
     loaded = PeftModel.from_pretrained(base, str(adapter_dir))
     names = [n for n, _ in loaded.named_parameters() if "lora_B" in n]
     assert names and any(p.abs().sum() > 0 for n, p in loaded.named_parameters() if "lora_B" in n)
-    del loaded
-    assert torch.is_tensor(torch.zeros(1))
 
 
 def test_flwr_run_rejects_bad_config(flwr_home, tmp_path):

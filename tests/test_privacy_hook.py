@@ -3,7 +3,6 @@
 import math
 
 import pytest
-import torch
 from flwr.app import ArrayRecord
 
 from fedpower_app import accounting as A
@@ -11,7 +10,7 @@ from fedpower_app.config import parse_config
 from fedpower_app.privacy import AccountedPrivacy, NonPrivate, build_privacy
 from strategies.flower import FedPowerStrategy
 from strategies.noise import NoiseSource
-from tests.inprocess import InProcessGrid
+from fedpower_app.inprocess import InProcessGrid
 from tests.test_strategies import fake_client, initial_state, r
 
 SIZES = [500] * 6

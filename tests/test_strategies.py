@@ -6,10 +6,9 @@ import pytest
 import torch
 from flwr.app import ArrayRecord, Error, Message, MetricRecord, RecordDict
 
-from strategies.aggregation import AdapterUpdate, clip_scales, merged_sq_norms, group_modules
 from strategies.flower import BudgetExhausted, FedLoRAStrategy, FedPowerStrategy, FFALoRAStrategy, build_strategy
 from strategies.noise import NoiseSource
-from tests.inprocess import InProcessGrid
+from fedpower_app.inprocess import InProcessGrid
 
 M_NAMES = [f"layer.{i}.query" for i in range(2)] + [f"layer.{i}.value" for i in range(2)]
 m, n, r = 12, 10, 2

@@ -1,4 +1,8 @@
-"""An in-process Flower Grid: runs a ClientApp synchronously, no Ray, no SuperLink (tests only)."""
+"""An in-process Flower Grid: runs a ClientApp synchronously in this process (no Ray, no SuperLink).
+
+For tests, benchmarks and debugging a strategy or the ServerApp logic step by step. It copies each
+message's content like a real transport would. Not a deployment path.
+"""
 
 from __future__ import annotations
 
