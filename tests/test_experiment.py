@@ -262,6 +262,27 @@ def test_flwr_home_never_inside_the_app(tmp_path):
         X.run_grid(tiny_spec(), tmp_path, flwr_home=PROJECT_ROOT / "flwr-home", log=lambda *_: None)
 
 
+def test_cell_timeout_stops_a_hung_run(tmp_path, monkeypatch):
+    """A `flwr run` that hangs without output is terminated by the watchdog; the cell is reported failed."""
+    import sys
+
+    import fedpower_app.launcher as L
+
+    fake = tmp_path / "bin" / "flwr"
+    fake.parent.mkdir()
+    fake.write_text(f"#!{sys.executable}\nimport sys, time\nif sys.argv[1] == 'run':\n    time.sleep(60)\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(L, "_flwr", lambda: str(fake))
+    spec = tiny_spec()
+    cell = spec.cells()[0]
+    t0 = __import__("time").time()
+    entry = X.run_cell(spec, cell, tmp_path, flwr_home=tmp_path / "home", port=39999, echo=False, timeout=2.0,
+                       keep_adapters=False)
+    assert __import__("time").time() - t0 < 30
+    assert entry["status"] == "missing" and "timed out after 2 s" in entry["flwr_status"]
+    assert json.loads((tmp_path / "cells" / cell.cell_id / "cell.json").read_text())["status"] == "missing"
+
+
 def test_dry_run_lists_cells(tmp_path, capsys):
     rc = X.main(["--table", "1", "--epsilons", "3", "none", "--seeds", "0", "--tasks", "synthetic", "--preset", TINY,
                  "--out", str(tmp_path), "--dry-run"])
