@@ -981,16 +981,12 @@ _GRID_KEYS = {"out", "cell-timeout", "preset", "tasks", "seeds", "methods", "eps
 
 
 def _parse_set(items: Sequence[str]) -> dict[str, Any]:
-    out = {}
-    for item in items:
-        if "=" not in item:
-            raise GridError(f"--set expects key=value, got {item!r}")
-        key, raw = item.split("=", 1)
-        try:
-            out[key.strip()] = tomllib.loads(f"v = {raw}")["v"]
-        except tomllib.TOMLDecodeError:
-            out[key.strip()] = raw
-    return out
+    from .launcher import parse_set
+
+    try:
+        return parse_set(items)
+    except ConfigError as exc:
+        raise GridError(str(exc)) from None
 
 
 def build_spec(args: argparse.Namespace) -> tuple[GridSpec, Path]:

@@ -171,7 +171,8 @@ def stop_local_superlink(flwr_home: str | Path | None = None) -> None:
     subprocess.run(["pkill", "-f", f"flower-superlink.*--simulation.*{re.escape(home)}"], check=False)
 
 
-def _parse_set(items: list[str]) -> dict[str, Any]:
+def parse_set(items) -> dict[str, Any]:
+    """``--set key=value`` items as a dict; values are TOML, a bare word is taken as a string."""
     import tomllib
 
     out = {}
@@ -198,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stop-superlink", action="store_true", help="stop the managed local SuperLink afterwards")
     args = p.parse_args(argv)
     try:
-        overrides = _parse_set(args.set)
+        overrides = parse_set(args.set)
         if args.preset:
             load_preset(args.preset)  # fail early on a bad file
         run_config_arg(overrides)
