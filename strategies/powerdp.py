@@ -16,6 +16,15 @@ Two equivalent ways to give W:
 For the same generator state the two give the same result up to float rounding: the random
 start ``Q0`` and the noise are drawn in the same order and shapes.
 
+With factors, the iteration itself runs in **Gram space**: every iterate lies in the column space
+of Bs (left) or the row space of As (right), so it is kept as R x r coefficients, and the only
+inputs it needs are the float64 Gram matrices Gb = Bs^T Bs and Ga = As As^T (R x R). Orthonormal
+bases come from Cholesky factors of r x r Grams, which is Gram-Schmidt, i.e. exactly the QR basis
+with a non-negative diagonal that the dense path uses. Only the start (As Q0^T) and the two
+outputs touch m- or n-long vectors: 3 thin GEMMs per module instead of 2 per half-iteration plus
+a tall QR each. If the Gram route is not accurate enough (W of rank < r, or ill-conditioned
+iterates; checked by the orthogonality of the result in float64), the tall route is used instead.
+
 PowerDP (paper Alg. 1) with noise std ``s``::
 
     Q <- Gaussian (r x n)
@@ -29,11 +38,13 @@ docs/privacy.md). This file only does the math; noise stds come from ``fedpower_
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import torch
 
-# A Gaussian sampler: (shape, std, generator) -> tensor. ``NoiseSource.gaussian`` fits.
+# A Gaussian sampler: (shape, std, generator) -> a fresh tensor the caller may consume (it is
+# written into). ``NoiseSource.gaussian`` fits.
 GaussianSampler = Callable[..., torch.Tensor]
 
 
@@ -95,6 +106,109 @@ class _Factored:
         return (Pt @ self.Bs) @ self.As
 
 
+# --------------------------------------------------------------------------------------------
+# Gram-space route for factored inputs
+# --------------------------------------------------------------------------------------------
+# Float64 Gram matrices are built this many float32 entries at a time, so the float64 copies
+# stay ~8 MB (the server's peak memory stays ~2x the received adapters).
+_GRAM_CHUNK_ELEMS = 1 << 20
+# Largest orthogonality error (max |Q Q^T - I| in float64) the Gram route may leave. Cholesky-QR
+# loses accuracy as cond(iterate)^2; past this the tall QR route is used. The clipping margin
+# (aggregation.CLIP_MARGIN = 1e-4) covers ||Q||_2 <= 1 + 1e-6 with room to spare.
+_GRAM_ORTH_TOL = 1e-6
+
+
+def factor_grams(BsT: torch.Tensor, As: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float64 Grams ``(Bs^T Bs, As As^T)``, each (M, R, R), of ``BsT`` (M, R, m) and ``As`` (M, R, n)."""
+    M, R = As.shape[0], As.shape[-2]
+    per = min(M, max(1, _GRAM_CHUNK_ELEMS // max(1, R * max(BsT.shape[-1], As.shape[-1]))))
+    gb = torch.empty((M, R, R), dtype=torch.float64, device=As.device)
+    ga = torch.empty_like(gb)
+    # One float64 staging buffer, reused for every chunk: a fresh buffer per chunk would be a fresh
+    # mmap each time, and its page faults cost more than the conversion itself.
+    buf = torch.empty((per, R, max(BsT.shape[-1], As.shape[-1])), dtype=torch.float64, device=As.device)
+    for src, gram in ((BsT, gb), (As, ga)):
+        d = src.shape[-1]
+        for s in range(0, M, per):
+            c = min(per, M - s)
+            x = buf[:c, :, :d]
+            x.copy_(src[s : s + c])
+            torch.matmul(x, x.transpose(-1, -2), out=gram[s : s + c])
+    return gb, ga
+
+
+def _chol_orth_rows(X: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:
+    """Gram-Schmidt in coefficients. The rows of ``X`` (M, r, R) stand for vectors X F, where
+    F (R x d) has Gram F F^T = ``gram``. Returns L^{-1} X with L L^T = X G X^T (Cholesky, positive
+    diagonal): the coefficients of orth_rows(X F), the same basis as QR with diag(R) >= 0."""
+    S = X @ gram @ X.transpose(-1, -2)
+    L, info = torch.linalg.cholesky_ex(S)
+    if bool((info != 0).any()):
+        raise _GramRouteFailed
+    return torch.linalg.solve_triangular(L, X, upper=False)
+
+
+class _GramRouteFailed(Exception):
+    """The Gram route cannot give an accurate orthonormal basis here (rank < r or too ill-conditioned)."""
+
+
+def _gram_iteration(y: torch.Tensor, grams, iters: int, *, lift_q: bool):
+    """Power iteration on W = Bs As through its Grams, from the start Q0 W^T = y Bs^T.
+
+    Returns the float64 coefficients ``(x, y)``: the rows x As are Q (orthonormal, if ``lift_q``)
+    or the last half-step P^T W (otherwise), and B = W Q^T = Bs y^T.
+
+    Coefficient bookkeeping (row form, every array (M, r, R), float64):
+      Q W^T = y Bs^T,   P^T = p Bs^T,   P^T W = a As,   Q = q As
+    with  p = orth(y; Gb),  a = p Gb,  q = orth(a; Ga),  next y = q Ga.
+    """
+    gb, ga = grams
+    for _ in range(iters):
+        p = _chol_orth_rows(y, gb)
+        a = p @ gb
+        q = _chol_orth_rows(a, ga)
+        y = q @ ga
+    # The last P and Q must be orthonormal to float accuracy: the sensitivity bound uses ||Q||_2 <= 1.
+    eye = torch.eye(q.shape[-2], dtype=torch.float64, device=q.device)
+    orth_err = max(float((p @ gb @ p.transpose(-1, -2) - eye).abs().max()),
+                   float((q @ ga @ q.transpose(-1, -2) - eye).abs().max()))
+    if not math.isfinite(orth_err) or orth_err > _GRAM_ORTH_TOL:
+        raise _GramRouteFailed
+    return (q if lift_q else a), y
+
+
+def _tall_iteration(op, Q, iters, *, lift_q: bool):
+    """Power iteration with m- and n-long iterates and tall QRs (dense W, or the Gram fallback)."""
+    A = None
+    for _ in range(iters):
+        Pt = orthonormalize_rows(op.right_rows(Q))  # = orth_cols(W Q^T)^T
+        A = op.left(Pt)
+        del Pt  # free (M, r, m) before the QR below allocates: keeps the server peak low
+        Q = orthonormalize_rows(A)
+    return (Q if lift_q else A), op.right_rows(Q).transpose(-1, -2).contiguous()
+
+
+def _subspace(W, factors, grams, rank, iters, generator, *, lift_q: bool):
+    """Random start, then ``iters`` power iterations: returns (Q or P^T W, B = W Q^T); see above."""
+    op = _operator(W, factors)
+    _check(op.shape, rank, iters)
+    dtype, device = _dtype_device(W, factors)
+    Q0 = _random_start(op.shape, rank, generator, dtype, device)
+    if factors is not None:
+        BsT, As = factors[0].transpose(-1, -2), factors[1]
+        try:
+            x, y = _gram_iteration((Q0 @ As.transpose(-1, -2)).double(),  # Q0 W^T = (Q0 As^T) Bs^T
+                                   grams if grams is not None else factor_grams(BsT, As),
+                                   iters, lift_q=lift_q)
+        except _GramRouteFailed:
+            return _tall_iteration(op, Q0, iters, lift_q=lift_q)
+        del Q0  # before the two lifts allocate: keeps the server peak low
+        # B = Bs y^T is computed column-major so it comes out (M, m, r) contiguous (a row-form
+        # product plus a transposing copy costs ~1.6x as much).
+        return x.to(dtype) @ As, factors[0] @ y.to(dtype).transpose(-1, -2)
+    return _tall_iteration(op, Q0, iters, lift_q=lift_q)
+
+
 def _operator(W=None, factors=None):
     if (W is None) == (factors is None):
         raise ValueError("give exactly one of W (dense) or factors=(Bs, As)")
@@ -102,9 +216,12 @@ def _operator(W=None, factors=None):
 
 
 def _add_noise(X: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-    """X + noise in a new tensor. Never in place: a pluggable sampler may return a tensor that is
-    aliased elsewhere, and noise must never be reused (spec §8). The copy is O(M (m + n) r)."""
-    return (X + noise).contiguous()
+    """X + noise, written into ``noise``: the sampler's output is consumed (each draw is used
+    exactly once, spec §8), and a sampler must return a fresh tensor it does not keep. Adding into
+    the fresh draw saves an allocation the size of the release."""
+    if noise.shape != X.shape or not noise.is_contiguous():
+        return (X + noise).contiguous()
+    return noise.add_(X)
 
 
 def _random_start(shape, rank, generator, dtype, device) -> torch.Tensor:
@@ -128,6 +245,7 @@ def power_iteration(
     W: torch.Tensor | None = None,
     *,
     factors: tuple[torch.Tensor, torch.Tensor] | None = None,
+    grams: tuple[torch.Tensor, torch.Tensor] | None = None,
     rank: int,
     iters: int,
     generator: torch.Generator,
@@ -135,17 +253,10 @@ def power_iteration(
     """Non-private simultaneous power iteration (paper App. Alg. 5).
 
     Returns ``(B, A)`` with ``A`` (M, r, n) having orthonormal rows and ``B = W A^T`` (M, m, r),
-    so ``B @ A`` is the rank-r approximation of W on the computed row space.
+    so ``B @ A`` is the rank-r approximation of W on the computed row space. ``grams`` (optional,
+    factored only) are ``factor_grams`` of the factors, if the caller already has them.
     """
-    op = _operator(W, factors)
-    _check(op.shape, rank, iters)
-    dtype, device = _dtype_device(W, factors)
-    Q = _random_start(op.shape, rank, generator, dtype, device)
-    for _ in range(iters):
-        Pt = orthonormalize_rows(op.right_rows(Q))  # = orth_cols(W Q^T)^T
-        Q = op.left(Pt)
-    A = orthonormalize_rows(Q)
-    B = op.right_rows(A).transpose(-1, -2).contiguous()
+    A, B = _subspace(W, factors, grams, rank, iters, generator, lift_q=True)
     return B, A
 
 
@@ -153,6 +264,7 @@ def powerdp(
     W: torch.Tensor | None = None,
     *,
     factors: tuple[torch.Tensor, torch.Tensor] | None = None,
+    grams: tuple[torch.Tensor, torch.Tensor] | None = None,
     rank: int,
     iters: int,
     noise_std: float,
@@ -165,19 +277,9 @@ def powerdp(
     (M, r, n). With ``noise_std == 0`` this is power iteration's subspace with B = W Q^T.
     The noise std is per entry; the caller derives it from the accountant (z * Delta).
     """
-    op = _operator(W, factors)
-    _check(op.shape, rank, iters)
     dtype, device = _dtype_device(W, factors)
     sample = sampler or _default_sampler
-    Q = _random_start(op.shape, rank, generator, dtype, device)
-    A = None
-    for _ in range(iters):
-        Pt = orthonormalize_rows(op.right_rows(Q))  # = orth_cols(W Q^T)^T
-        A = op.left(Pt)
-        del Pt  # free (M, r, m) before the QR below allocates: keeps the server peak low
-        Q = orthonormalize_rows(A)
-    B = op.right_rows(Q).transpose(-1, -2)  # (M, m, r) view
-    del Q, op
+    A, B = _subspace(W, factors, grams, rank, iters, generator, lift_q=False)
     # Fresh noise for each released block, drawn in a fixed order: B~ first, then A~.
     B_tilde = _add_noise(B, sample(tuple(B.shape), noise_std, generator, dtype=dtype, device=device))
     A_noisy = _add_noise(A, sample(tuple(A.shape), noise_std, generator, dtype=dtype, device=device))
@@ -212,6 +314,7 @@ def output_perturbation(
     W: torch.Tensor | None = None,
     *,
     factors: tuple[torch.Tensor, torch.Tensor] | None = None,
+    grams: tuple[torch.Tensor, torch.Tensor] | None = None,
     rank: int,
     iters: int,
     noise_std_a: float,
@@ -224,7 +327,7 @@ def output_perturbation(
     A has orthonormal rows (its diameter is 2 sqrt(r) per module, independent of C) and
     B = W A^T (diameter 2C), hence two different noise stds.
     """
-    B, A = power_iteration(W, factors=factors, rank=rank, iters=iters, generator=generator)
+    B, A = power_iteration(W, factors=factors, grams=grams, rank=rank, iters=iters, generator=generator)
     dtype, device = B.dtype, B.device
     sample = sampler or _default_sampler
     B_noisy = B + sample(tuple(B.shape), noise_std_b, generator, dtype=dtype, device=device)

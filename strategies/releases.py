@@ -34,7 +34,7 @@ from .aggregation import (
     weighted_sum,
 )
 from .noise import NoiseSource
-from .powerdp import input_perturbation, output_perturbation, powerdp
+from .powerdp import factor_grams, input_perturbation, output_perturbation, powerdp
 
 
 @dataclass
@@ -116,11 +116,6 @@ def _dense_or_factors(Bs, As, ctx):
     return dict(W=Bs @ As) if not ctx.factored else dict(factors=(Bs, As))
 
 
-# Float64 Gram matrices for the clipping norms are built this many float32 entries at a time,
-# so the float64 copies stay ~8 MB (server peak memory stays ~2x the received adapters).
-_NORM_CHUNK_ELEMS = 1 << 20
-
-
 def _stacked_rows(tensors: list[dict[str, torch.Tensor]], g: ModuleGroup, transpose: bool, device) -> torch.Tensor:
     """(M, K r, d): module j's rows k r..(k+1) r hold client k's factor (B^T if ``transpose``).
 
@@ -138,22 +133,19 @@ def _stacked_rows(tensors: list[dict[str, torch.Tensor]], g: ModuleGroup, transp
     return out
 
 
-def _stacked_sq_norms(BsT: torch.Tensor, As: torch.Tensor, K: int, r: int) -> torch.Tensor:
-    """Per-client sum_j ||B_kj A_kj||_F^2 in float64 from the stacks (chunked over modules)."""
-    M = BsT.shape[0]
-    B4, A4 = BsT.view(M, K, r, -1), As.view(M, K, r, -1)
-    per = max(1, _NORM_CHUNK_ELEMS // max(1, K * r * (B4.shape[-1] + A4.shape[-1])))
-    total = torch.zeros(K, dtype=torch.float64, device=BsT.device)
-    for s in range(0, M, per):
-        b, a = B4[s : s + per].double(), A4[s : s + per].double()
-        gram_b = b @ b.transpose(-1, -2)  # B^T B, (c, K, r, r)
-        gram_a = a @ a.transpose(-1, -2)  # A A^T
-        total += (gram_b * gram_a).sum(dim=(0, 2, 3))
-    return total.clamp_min(0.0)
+def _client_sq_norms(grams: tuple[torch.Tensor, torch.Tensor], K: int, r: int) -> torch.Tensor:
+    """Per-client sum_j ||B_kj A_kj||_F^2 in float64 from the diagonal r x r blocks of the Grams."""
+    gb, ga = grams
+    M = gb.shape[0]
+    db = gb.view(M, K, r, K, r).diagonal(dim1=1, dim2=3)  # (M, r, r, K): client k's B^T B
+    da = ga.view(M, K, r, K, r).diagonal(dim1=1, dim2=3)  # client k's A A^T
+    return (db * da).sum(dim=(0, 1, 2)).clamp_min(0.0)
 
 
 def _fedpower_stacks(updates, ctx: ReleaseContext):
-    """Per group (BsT, As) stacks, pre-clip norms, clip scales and weights, in one pass over the data."""
+    """Per group (BsT, As, grams) with the clip weights applied, plus pre-clip norms, clip scales
+    and weights, in one pass over the data. The float64 Grams serve both the clipping norms and
+    the Gram-space power iteration."""
     k = len(updates)
     if not k:
         norms, scales, weights = _merged_weights(updates, ctx)
@@ -163,14 +155,17 @@ def _fedpower_stacks(updates, ctx: ReleaseContext):
     for g in ctx.groups:
         BsT = _stacked_rows([u.B for u in updates], g, True, ctx.device)
         As = _stacked_rows([u.A for u in updates], g, False, ctx.device)
-        sq = sq + _stacked_sq_norms(BsT, As, k, g.r)
-        stacks.append((BsT, As))
+        grams = factor_grams(BsT, As)
+        sq = sq + _client_sq_norms(grams, k, g.r)
+        stacks.append((BsT, As, grams))
     sq = sq.cpu()
     scales = clip_scales(sq, ctx.clip)
     weights = scales / k
     w = weights.to(device=ctx.device, dtype=ctx.dtype)
-    for (BsT, _As), g in zip(stacks, ctx.groups):
+    for (BsT, _As, (gb, _ga)), g in zip(stacks, ctx.groups):
         BsT.view(BsT.shape[0], k, g.r, -1).mul_(w.to(BsT.dtype).view(1, k, 1, 1))  # c_k / K on B_k
+        w_rows = weights.to(ctx.device).repeat_interleave(g.r)
+        gb.mul_(w_rows.view(1, -1, 1) * w_rows.view(1, 1, -1))  # Gram of the weighted Bs
     return stacks, sq.sqrt(), scales, weights
 
 
@@ -179,16 +174,18 @@ def fedpower_release(updates: list[AdapterUpdate], ctx: ReleaseContext, noise_st
     stacks, norms, scales, weights = _fedpower_stacks(updates, ctx)
     out = Release()
     for i, g in enumerate(ctx.groups):
+        grams = None
         if stacks[i] is None:
             Bs, As = _zero_factors(g, ctx)
         else:
-            BsT, As = stacks[i]
+            BsT, As, grams = stacks[i]
             stacks[i] = None  # release this group's stacks as soon as its PowerDP is done
             Bs = BsT.transpose(-1, -2)  # (M, m, K r) view; the factored products use BsT directly
             del BsT
-        B_t, A_t = powerdp(**_dense_or_factors(Bs, As, ctx), rank=ctx.rank, iters=ctx.power_iters,
+        inputs = dict(factors=(Bs, As), grams=grams) if ctx.factored else dict(W=Bs @ As)
+        B_t, A_t = powerdp(**inputs, rank=ctx.rank, iters=ctx.power_iters,
                            noise_std=noise_std, generator=generator, sampler=_sampler(ctx))
-        del Bs, As
+        del Bs, As, inputs
         for j, name in enumerate(g.names):
             out.A[name], out.B[name] = A_t[j], B_t[j]
     out.extra_delta = _extras(updates, weights, noise_std, generator, ctx)

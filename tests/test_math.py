@@ -192,3 +192,65 @@ def test_rejects_half_precision_and_bad_rank():
         NoiseSource().gaussian((3,), 1.0, gen(), dtype=torch.float16)
     with pytest.raises(ValueError):
         power_iteration(torch.zeros(1, 4, 4), rank=5, iters=1, generator=gen())
+
+
+# ---- Gram-space route (factored inputs) ------------------------------------------------------
+def _powerdp_module():
+    import importlib
+
+    return importlib.import_module("strategies.powerdp")  # the package re-exports a function of that name
+
+
+def test_gram_route_is_taken_and_matches_dense(monkeypatch):
+    """Well-conditioned factored input: the Gram route runs (the tall route is never called) and
+    its release equals the dense reference from the same generator state."""
+    mod = _powerdp_module()
+    g = gen(21)
+    Bs, As = torch.randn(3, 50, 12, generator=g), torch.randn(3, 12, 40, generator=g)
+
+    def no_tall(*a, **k):
+        raise AssertionError("tall route used for a well-conditioned factored input")
+
+    monkeypatch.setattr(mod, "_tall_iteration", no_tall)
+    f = powerdp(factors=(Bs, As), rank=4, iters=3, noise_std=0.2, generator=gen(4))
+    monkeypatch.undo()
+    d = powerdp(Bs @ As, rank=4, iters=3, noise_std=0.2, generator=gen(4))
+    for x, y in zip(f, d):
+        assert torch.allclose(x, y, atol=2e-5, rtol=1e-4)
+    Bp, Ap = power_iteration(factors=(Bs, As), rank=4, iters=3, generator=gen(5))
+    Bd, Ad = power_iteration(Bs @ As, rank=4, iters=3, generator=gen(5))
+    assert torch.allclose(Ap, Ad, atol=2e-5) and torch.allclose(Bp, Bd, atol=1e-4, rtol=1e-4)
+    eye = torch.eye(4)
+    assert torch.allclose(Ap @ Ap.transpose(-1, -2), eye.expand(3, 4, 4), atol=1e-5)
+
+
+@pytest.mark.parametrize("case", ["rank-deficient", "zero", "ill-conditioned"])
+def test_gram_route_falls_back_when_inaccurate(case):
+    """W of rank < r (or zero, or with a huge spread of singular values) cannot be orthonormalised
+    accurately through r x r Grams; the result must still equal the dense reference and be finite."""
+    g = gen(22)
+    Bs, As = torch.randn(2, 30, 9, generator=g, dtype=torch.float64), torch.randn(2, 9, 25, generator=g, dtype=torch.float64)
+    if case == "rank-deficient":
+        Bs[..., 2:] = 0.0  # rank 2 < r = 4
+    elif case == "zero":
+        Bs.zero_()
+    else:
+        Bs = Bs * torch.logspace(0, -12, 9, dtype=torch.float64)  # sigma_1 / sigma_4 ~ 1e5
+    f = powerdp(factors=(Bs, As), rank=4, iters=2, noise_std=0.1, generator=gen(8))
+    d = powerdp(Bs @ As, rank=4, iters=2, noise_std=0.1, generator=gen(8))
+    assert all(torch.isfinite(x).all() for x in f)
+    if case == "ill-conditioned":
+        for x, y in zip(f, d):
+            assert torch.allclose(x, y, atol=1e-8, rtol=1e-6)
+    else:  # only the top-rank directions are defined; compare what is: B~ A~ spans and B
+        assert torch.allclose(f[0], d[0], atol=1e-8)
+
+
+def test_fedpower_release_norms_from_grams_equal_dense_norms():
+    ups, groups = random_updates(K=3, M=4, m=24, n=16, r=2, scale=1.5, extra=True)
+    ctx = ReleaseContext(groups=groups, extra_shapes={"head.weight": (2, 5)}, clip=2.0, rank=2, power_iters=2)
+    rel = fedpower_release(ups, ctx, 0.1, gen(3))
+    _, dense_scales = dense_clipped_average(ups, groups, clip=2.0)
+    dense_sq = merged_sq_norms(ups, groups)
+    assert torch.allclose(torch.tensor(rel.update_norms, dtype=torch.float64), dense_sq.sqrt(), rtol=1e-10)
+    assert torch.allclose(torch.tensor(rel.clip_scales, dtype=torch.float64), dense_scales, rtol=1e-10)
