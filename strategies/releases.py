@@ -112,8 +112,9 @@ def _finish(release: Release, norms, scales, k) -> Release:
     return release
 
 
-def _dense_or_factors(Bs, As, ctx):
-    return dict(W=Bs @ As) if not ctx.factored else dict(factors=(Bs, As))
+def _dense_or_factors(Bs, As, ctx, grams=None):
+    """PowerDP inputs: dense W (reference path) or the factors, with their Grams if already known."""
+    return dict(W=Bs @ As) if not ctx.factored else dict(factors=(Bs, As), grams=grams)
 
 
 def _stacked_rows(tensors: list[dict[str, torch.Tensor]], g: ModuleGroup, transpose: bool, device) -> torch.Tensor:
@@ -182,10 +183,9 @@ def fedpower_release(updates: list[AdapterUpdate], ctx: ReleaseContext, noise_st
             stacks[i] = None  # release this group's stacks as soon as its PowerDP is done
             Bs = BsT.transpose(-1, -2)  # (M, m, K r) view; the factored products use BsT directly
             del BsT
-        inputs = dict(factors=(Bs, As), grams=grams) if ctx.factored else dict(W=Bs @ As)
-        B_t, A_t = powerdp(**inputs, rank=ctx.rank, iters=ctx.power_iters,
+        B_t, A_t = powerdp(**_dense_or_factors(Bs, As, ctx, grams), rank=ctx.rank, iters=ctx.power_iters,
                            noise_std=noise_std, generator=generator, sampler=_sampler(ctx))
-        del Bs, As, inputs
+        del Bs, As, grams
         for j, name in enumerate(g.names):
             out.A[name], out.B[name] = A_t[j], B_t[j]
     out.extra_delta = _extras(updates, weights, noise_std, generator, ctx)
