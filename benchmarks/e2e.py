@@ -252,7 +252,8 @@ def _bare_setup(overrides: dict, device_name: str) -> dict:
             M.set_trainable(model, train_a=True, train_b=True)
             gen = noise.generator(f"example-sampling/{pid}", rnd)
             train_local(model, shards[pid], steps=cfg["train.local-steps"], batch_size=cfg["train.batch-size"],
-                        lr=cfg["train.lr"], generator=gen, poisson=(cfg["dp.level"] == "sample"), device=device)
+                        lr=cfg["train.lr"], generator=gen, poisson=(cfg["dp.level"] == "sample"), device=device,
+                        dropout_seed=noise.stream_seed(f"dropout/{pid}", rnd))
             st = M.adapter_state(model)
             updates.append(AdapterUpdate(A={m: st[m + M.LORA_A] for m in modules}, B={m: st[m + M.LORA_B] for m in modules},
                                          extra={k: st[k] - global_state[k] for k in extras}))

@@ -93,7 +93,7 @@ def train(msg: Message, context: Context) -> Message:
     M.load_adapter_state(model, msg.content["arrays"].to_torch_state_dict())
     method = cfg["strategy.name"]
     M.set_trainable(model, train_a=(method != "ffa-lora"), train_b=True)
-    # Example sampling uses the run's noise source: seeded per (silo, round), or OS entropy.
+    # Example sampling and dropout use the run's noise source: seeded per (silo, round), or OS entropy.
     noise = NoiseSource(cfg["seed"], cfg["dp.noise"])
     gen = noise.generator(f"example-sampling/{pid}", server_round)
     device = next(model.parameters()).device
@@ -101,6 +101,7 @@ def train(msg: Message, context: Context) -> Message:
     stats = train_local(
         model, shard, steps=cfg["train.local-steps"], batch_size=cfg["train.batch-size"], lr=cfg["train.lr"],
         generator=gen, poisson=(cfg["dp.level"] == "sample"), device=device,
+        dropout_seed=noise.stream_seed(f"dropout/{pid}", server_round),
     )
     metrics = MetricRecord({
         "num-examples": len(shard),

@@ -53,8 +53,26 @@ def _autocast(device: torch.device):
 
 
 def train_local(model, data: TokenizedSplit, *, steps: int, batch_size: int, lr: float,
-                generator: torch.Generator, poisson: bool, device: torch.device) -> TrainStats:
-    """L steps of mini-batch Adam on the trainable parameters; a fresh optimizer every round."""
+                generator: torch.Generator, poisson: bool, device: torch.device,
+                dropout_seed: int | None = None) -> TrainStats:
+    """L steps of mini-batch Adam on the trainable parameters; a fresh optimizer every round.
+
+    Dropout draws from torch's global RNG. With ``dropout_seed`` that RNG is forked and seeded for
+    this call only, so a silo's round is reproducible whatever ran before it in the process (a
+    simulation worker trains many silos in turn) and the caller's RNG state is left untouched.
+    """
+    if dropout_seed is None:
+        return _train_local(model, data, steps=steps, batch_size=batch_size, lr=lr,
+                            generator=generator, poisson=poisson, device=device)
+    fork_devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=fork_devices):
+        torch.manual_seed(dropout_seed)
+        return _train_local(model, data, steps=steps, batch_size=batch_size, lr=lr,
+                            generator=generator, poisson=poisson, device=device)
+
+
+def _train_local(model, data: TokenizedSplit, *, steps: int, batch_size: int, lr: float,
+                 generator: torch.Generator, poisson: bool, device: torch.device) -> TrainStats:
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.Adam(params, lr=lr)

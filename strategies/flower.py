@@ -259,7 +259,10 @@ class LoRAStrategy(Strategy):
         )
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        replies = list(replies)
+        # Replies arrive in network order; summing in node order keeps a seeded run bit-for-bit
+        # repeatable (float addition is not associative). The sort is stable, so a duplicate
+        # reply still loses to the first one received.
+        replies = sorted(replies, key=lambda msg: msg.metadata.src_node_id)
         report = RoundReport(server_round=server_round, round_type=self.round_type(server_round),
                              sampled=len(self._sampled), replied=len(replies),
                              bytes_down=getattr(self, "_bytes_down", 0))

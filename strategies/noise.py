@@ -47,13 +47,16 @@ class NoiseSource:
     def hardened(self) -> bool:
         return self.mode == "hardened"
 
+    def stream_seed(self, stream: str, round_index: int = 0) -> int:
+        """The 63-bit seed of one named stream in one round (OS entropy when hardened)."""
+        if self.hardened:
+            return secrets.randbits(63)
+        return derive_seed(self.seed, stream, round_index)
+
     def generator(self, stream: str, round_index: int = 0, device: str | torch.device = "cpu") -> torch.Generator:
         """A fresh generator for one named stream in one round (never reused across rounds)."""
         gen = torch.Generator(device=device)
-        if self.hardened:
-            gen.manual_seed(secrets.randbits(63))
-        else:
-            gen.manual_seed(derive_seed(self.seed, stream, round_index))
+        gen.manual_seed(self.stream_seed(stream, round_index))
         return gen
 
     def gaussian(

@@ -72,9 +72,31 @@ def test_failing_client_is_dropped_and_round_goes_on(tmp_path):
     assert res["status"] == "completed"
 
 
-@pytest.mark.slow  # ~1-4 min on 2 CPUs: a real learning curve
+@pytest.mark.slow  # ~1-2 min on 2 CPUs: a real learning curve
 def test_nonprivate_fedlora_learns(tmp_path):
-    res, _ = run_inprocess(tmp_path, **{"num-server-rounds": 4, "strategy.name": "fedlora", "dp.level": "none",
+    # 8 rounds: on this task the loss only starts to fall after ~3 rounds (measured for seeds 0-2 at
+    # 1 and 2 threads: loss 0.69 -> 0.42-0.49, accuracy 0.46-0.63 -> 0.83-0.89). 4 rounds sat on the
+    # threshold and failed in CI while dropout was still unseeded.
+    res, _ = run_inprocess(tmp_path, **{"num-server-rounds": 8, "strategy.name": "fedlora", "dp.level": "none",
                                         "train.local-steps": 6, "train.lr": 0.005})
     assert res["rounds"][-1]["epsilon"] is None
-    assert res["totals"]["best_accuracy"] >= res["initial_evaluation"]["accuracy"] + 0.15
+    initial, final = res["initial_evaluation"], res["rounds"][-1]
+    assert final["loss"] <= initial["loss"] - 0.1
+    assert res["totals"]["best_accuracy"] >= max(initial["accuracy"] + 0.15, 0.75)
+
+
+@pytest.mark.slow
+def test_seeded_run_repeats_exactly(tmp_path):
+    # Client sampling, example sampling, dropout and noise all come from the seeded source.
+    overrides = {"num-server-rounds": 2, "strategy.client-rate": 0.5, "dp.level": "sample"}
+    first, _ = run_inprocess(tmp_path / "a", num_nodes=3, **overrides)
+    second, _ = run_inprocess(tmp_path / "b", num_nodes=3, **overrides)
+    exact = ("sampled", "aggregated", "epsilon", "noise_stds")
+    # Not bit-for-bit: oneDNN/MKL kernels may round differently with buffer alignment (~1e-7
+    # relative). Unseeded dropout moved these figures by 1e-3 and more.
+    close = ("accuracy", "loss", "train_loss", "update_norm_mean")
+    assert len(first["rounds"]) == len(second["rounds"]) == 2
+    for a, b in zip(first["rounds"], second["rounds"]):
+        assert {k: a[k] for k in exact} == {k: b[k] for k in exact}
+        for k in close:
+            assert a[k] == pytest.approx(b[k], rel=1e-5), k

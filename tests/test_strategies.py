@@ -217,3 +217,22 @@ def test_build_strategy_rejects_unknown():
         build_strategy("fedavg", initial_state=initial_state(), rank=r, client_rate=1.0)
     with pytest.raises(ValueError, match="client_rate"):
         make(FedLoRAStrategy, client_rate=1.5)
+
+
+class ReversedGrid(InProcessGrid):
+    """Delivers replies in the opposite order, as a network may."""
+
+    def pull_messages(self, message_ids):
+        return list(reversed(super().pull_messages(message_ids)))
+
+
+@pytest.mark.parametrize("cls", [FedLoRAStrategy, FedPowerStrategy])
+def test_aggregation_does_not_depend_on_reply_arrival_order(cls):
+    results = []
+    for grid_cls in (InProcessGrid, ReversedGrid):
+        s = make(cls, privacy=FixedPrivacy(clip=5.0, std=0.01))
+        s.start(grid=grid_cls(fake_client(), 5), initial_arrays=ArrayRecord(s.global_state), num_rounds=2)
+        results.append(s.global_state)
+    assert results[0].keys() == results[1].keys()
+    for k in results[0]:
+        assert torch.equal(results[0][k], results[1][k]), k  # bit-for-bit: same summation order
