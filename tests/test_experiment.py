@@ -170,6 +170,23 @@ def test_grid_files_and_table_flags(tmp_path):
     spec, _ = X.build_spec(parser.parse_args(["--table", "2", "--epsilons", "6", "none", "--out", str(tmp_path)]))
     assert spec.tables["2"] == (X.TABLE_METHODS["2"], [6.0, None])
     assert isinstance(Namespace, type)
+    # the Table 3 supplement: the paper's F = 1/5/10 need T >= 10 rounds
+    args = parser.parse_args(["--grid", str(PROJECT_ROOT / "conf/grids/cpu-sst2-table3.toml"), "--table", "3",
+                              "--out", str(tmp_path)])
+    spec, _ = X.build_spec(args)
+    cells = X.validate(spec, tmp_path)
+    assert sorted({c.method for c in cells}) == ["fedlora", "fedpower", "fedpower-F10", "fedpower-F5"]
+    assert len(cells) == 12
+    ov = X.cell_overrides(spec, next(c for c in cells if c.method == "fedpower-F10"), tmp_path)
+    assert ov["num-server-rounds"] == 10 and ov["strategy.refactor-every"] == 10
+
+
+@pytest.mark.parametrize("grid", sorted(p.name for p in (PROJECT_ROOT / "conf" / "grids").glob("*.toml")))
+def test_every_shipped_grid_validates(grid, tmp_path):
+    parser = X.make_parser()
+    spec, _ = X.build_spec(parser.parse_args(["--grid", str(PROJECT_ROOT / "conf/grids" / grid), "--table", "all",
+                                              "--out", str(tmp_path)]))
+    assert X.validate(spec, tmp_path)  # every cell's run config parses
 
 
 def test_paper_presets():
