@@ -19,13 +19,18 @@ class InProcessGrid(Grid):
     """Delivers each message to ``client_app`` (a ClientApp or a plain callable) in this process.
 
     ``handlers`` may override the reply of given node ids (to simulate faulty clients).
+    ``node_ids`` (default 100, 101, ...) gives partition i to ``node_ids[i]``; real runtimes draw
+    node ids at random, so tests pass other ids to check nothing depends on them.
     """
 
-    def __init__(self, client_app, num_nodes: int, run_config: dict | None = None, handlers: dict | None = None):
+    def __init__(self, client_app, num_nodes: int, run_config: dict | None = None, handlers: dict | None = None,
+                 node_ids: list[int] | None = None):
         TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 1, 1
         self._app = client_app
         self._run = Run.create_empty(run_id=1)
-        self.node_ids = [100 + i for i in range(num_nodes)]
+        self.node_ids = list(node_ids) if node_ids is not None else [100 + i for i in range(num_nodes)]
+        if len(self.node_ids) != num_nodes or len(set(self.node_ids)) != num_nodes:
+            raise ValueError(f"need {num_nodes} distinct node ids, got {self.node_ids}")
         self._contexts = {
             nid: Context(run_id=1, node_id=nid, node_config={"partition-id": i, "num-partitions": num_nodes},
                          state=RecordDict(), run_config=dict(run_config or {}))

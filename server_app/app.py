@@ -46,15 +46,26 @@ def discover_clients(grid: Grid, cfg: RunConfig) -> dict[int, int]:
     content = RecordDict({"config": ConfigRecord({"query": "dataset-size"})})
     msgs = [Message(content=content, dst_node_id=n, message_type=MessageType.QUERY) for n in nodes]
     sizes: dict[int, int] = {}
+    partitions: dict[int, int] = {}
     for reply in exchange(grid, msgs, cfg["strategy.round-timeout"]):
         node = reply.metadata.src_node_id
         if reply.has_error():
             log.warning("node %s failed the size query and is left out: %s", node, reply.error.reason)
             continue
-        sizes[node] = int(reply.content.metric_records["metrics"]["num-examples"])
+        metrics = reply.content.metric_records["metrics"]
+        sizes[node] = int(metrics["num-examples"])
+        if "partition-id" in metrics:
+            partitions[node] = int(metrics["partition-id"])
     if not sizes:
         raise RuntimeError("no SuperNode answered the size query; check the ClientApp logs")
-    return sizes
+    return {node: sizes[node] for node in population_order(sizes, partitions)}
+
+
+def population_order(nodes, partitions: dict[int, int]) -> list[int]:
+    """Nodes by (partition id, node id). Node ids are random per run, partition ids are not: in this
+    order the seeded client-sampling coins pick the same silos, and the replies are summed in the same
+    order, in every run of a seed."""
+    return sorted(nodes, key=lambda node: (partitions.get(node, float("inf")), node))
 
 
 def make_evaluator(cfg: RunConfig, model, splits, device):
@@ -138,7 +149,7 @@ def _run(grid: Grid, cfg: RunConfig, run_dir: Path, results: ResultsWriter) -> N
         power_iters=cfg["strategy.power-iters"],
         device=device,
         eval_fraction=cfg["eval.fraction-clients"],
-        population=list(sizes),
+        population=list(sizes),  # in partition order: the order of the sampling coins
         refactor_every=cfg["strategy.refactor-every"],
     )
     evaluate_fn = make_evaluator(cfg, model, splits, device)

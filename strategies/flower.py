@@ -156,7 +156,12 @@ class LoRAStrategy(Strategy):
         self.noise = noise or NoiseSource()
         self.privacy = privacy or NoPrivacy()
         self.eval_fraction = eval_fraction
-        self.population = sorted(population) if population else None
+        # The population's order is the order of the client-sampling coins (and of summation).
+        # Callers give a run-independent order (the ServerApp: by partition id), so a seeded run
+        # samples the same silos again; without one, node ids in ascending order.
+        if population and len(set(population)) != len(population):
+            raise ValueError("population lists a node more than once")
+        self.population = list(population) if population else None
         self.min_nodes = min_nodes
         self.device = device
         self.global_state = {k: v.detach().to(torch.float32).clone() for k, v in initial_state.items()}
@@ -259,10 +264,12 @@ class LoRAStrategy(Strategy):
         )
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        # Replies arrive in network order; summing in node order keeps a seeded run bit-for-bit
+        # Replies arrive in network order; summing in population order keeps a seeded run
         # repeatable (float addition is not associative). The sort is stable, so a duplicate
         # reply still loses to the first one received.
-        replies = sorted(replies, key=lambda msg: msg.metadata.src_node_id)
+        position = {node: i for i, node in enumerate(self._sampled)}
+        replies = sorted(replies, key=lambda msg: (position.get(msg.metadata.src_node_id, len(position)),
+                                                   msg.metadata.src_node_id))
         report = RoundReport(server_round=server_round, round_type=self.round_type(server_round),
                              sampled=len(self._sampled), replied=len(replies),
                              bytes_down=getattr(self, "_bytes_down", 0))

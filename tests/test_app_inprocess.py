@@ -18,9 +18,9 @@ TINY = {"task.synthetic-train-size": 240, "task.synthetic-eval-size": 120, "task
         "train.local-steps": 2, "train.batch-size": 16, "strategy.client-rate": 1.0}
 
 
-def run_inprocess(tmp_path, num_nodes=2, handlers=None, **overrides):
+def run_inprocess(tmp_path, num_nodes=2, handlers=None, node_ids=None, **overrides):
     cfg = parse_config({**TINY, "output-dir": str(tmp_path), "run-name": "run", **overrides})
-    grid = InProcessGrid(client_app, num_nodes, cfg.to_dict(), handlers=handlers)
+    grid = InProcessGrid(client_app, num_nodes, cfg.to_dict(), handlers=handlers, node_ids=node_ids)
     run_dir = server.run_directory(cfg)
     results = ResultsWriter(run_dir, cfg.to_dict())
     server._run(grid, cfg, run_dir, results)
@@ -87,10 +87,11 @@ def test_nonprivate_fedlora_learns(tmp_path):
 
 @pytest.mark.slow
 def test_seeded_run_repeats_exactly(tmp_path):
-    # Client sampling, example sampling, dropout and noise all come from the seeded source.
+    # Client sampling, example sampling, dropout and noise all come from the seeded source, and the
+    # coins follow partition ids, not the node ids a runtime draws at random for every run.
     overrides = {"num-server-rounds": 2, "strategy.client-rate": 0.5, "dp.level": "sample"}
     first, _ = run_inprocess(tmp_path / "a", num_nodes=3, **overrides)
-    second, _ = run_inprocess(tmp_path / "b", num_nodes=3, **overrides)
+    second, _ = run_inprocess(tmp_path / "b", num_nodes=3, node_ids=[905, 17, 333], **overrides)
     exact = ("sampled", "aggregated", "epsilon", "noise_stds")
     # Not bit-for-bit: oneDNN/MKL kernels may round differently with buffer alignment (~1e-7
     # relative). Unseeded dropout moved these figures by 1e-3 and more.
@@ -100,3 +101,11 @@ def test_seeded_run_repeats_exactly(tmp_path):
         assert {k: a[k] for k in exact} == {k: b[k] for k in exact}
         for k in close:
             assert a[k] == pytest.approx(b[k], rel=1e-5), k
+
+
+def test_population_is_ordered_by_partition_not_node_id():
+    # node ids are random per run; partition ids are the run-independent order of the sampling coins
+    assert server.population_order([905, 17, 333], {905: 0, 17: 1, 333: 2}) == [905, 17, 333]
+    assert server.population_order([905, 17, 333], {905: 2, 17: 1, 333: 0}) == [333, 17, 905]
+    # nodes that report no partition id come last, by node id
+    assert server.population_order([9, 5, 7], {7: 0}) == [7, 5, 9]

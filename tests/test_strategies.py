@@ -236,3 +236,15 @@ def test_aggregation_does_not_depend_on_reply_arrival_order(cls):
     assert results[0].keys() == results[1].keys()
     for k in results[0]:
         assert torch.equal(results[0][k], results[1][k]), k  # bit-for-bit: same summation order
+
+
+def test_sampling_coins_follow_the_given_population_order():
+    # Same seed, same coins: the k-th coin decides the k-th node of the population, whatever its id.
+    a = make(FedLoRAStrategy, client_rate=0.5, population=[100, 101, 102, 103, 104, 105])
+    b = make(FedLoRAStrategy, client_rate=0.5, population=[9, 4, 7, 1, 8, 2])
+    for rnd in range(1, 6):
+        pos_a = [a.population.index(n) for n in a.sample_clients(rnd, a.population)]
+        pos_b = [b.population.index(n) for n in b.sample_clients(rnd, b.population)]
+        assert pos_a == pos_b
+    with pytest.raises(ValueError, match="more than once"):
+        make(FedLoRAStrategy, population=[1, 2, 1])
