@@ -5,30 +5,45 @@ supplement).
 
     python -m benchmarks.contention
 """
-import statistics
+
+from __future__ import annotations
+
 import subprocess
 import sys
 import time
 
-import torch
+# A second process that keeps both cores busy with 2-thread matmuls until it is killed.
+_BUSY_LOOP = "import torch; torch.set_num_threads(2); a = torch.randn(1500, 1500)\nwhile True: a @ a"
 
-from benchmarks.server import Shape, case_fns, make_updates
-shape = Shape("minilm", 6, ("query", "value"), 384, 384, 8)
-ups, groups = make_updates(shape, 12)
-fns = case_fns(ups, groups, shape, torch.device("cpu"))
 
-def med(fn, n=40):
-    fn(); ts = []
-    for _ in range(n):
-        t = time.perf_counter(); fn(); ts.append(time.perf_counter() - t)
-    return statistics.median(ts) * 1e3, max(ts) * 1e3
+def main(repeats: int = 40) -> int:
+    import torch
 
-HOG = "import torch; torch.set_num_threads(2); a=torch.randn(1500,1500)\nwhile True: a@a"
-for threads in (2, 1):
-    torch.set_num_threads(threads)
-    for hog in (False, True):
-        p = subprocess.Popen([sys.executable, "-c", HOG]) if hog else None
-        if p: time.sleep(2)
-        fp, fl = med(fns["fedpower-factored"]), med(fns["fedlora"])
-        if p: p.kill(); p.wait()
-        print(f"threads={threads} hog={hog}: fedpower median {fp[0]:.1f} ms (max {fp[1]:.0f}), fedlora median {fl[0]:.1f} ms (max {fl[1]:.0f}), ratio {fp[0]/fl[0]:.2f}", flush=True)
+    from benchmarks.common import interleaved, median
+    from benchmarks.server import Shape, case_fns, make_updates
+
+    shape = Shape("minilm", 6, ("query", "value"), 384, 384, 8)
+    ups, groups = make_updates(shape, shape.total_modules)
+    fns = case_fns(ups, groups, shape, torch.device("cpu"))
+    cases = {"fedpower": fns["fedpower-factored"], "fedlora": fns["fedlora"]}
+    for threads in (2, 1):
+        torch.set_num_threads(threads)
+        for busy in (False, True):
+            neighbour = subprocess.Popen([sys.executable, "-c", _BUSY_LOOP]) if busy else None
+            try:
+                if neighbour:
+                    time.sleep(2)  # let it start and occupy the cores
+                times = interleaved(cases, repeats=repeats, device=torch.device("cpu"))
+            finally:
+                if neighbour:
+                    neighbour.kill()
+                    neighbour.wait()
+            fp, fl = (median(times[c]) * 1e3 for c in cases)
+            print(f"threads={threads} busy neighbour={busy}: fedpower median {fp:.1f} ms "
+                  f"(max {max(times['fedpower']) * 1e3:.0f}), fedlora median {fl:.1f} ms "
+                  f"(max {max(times['fedlora']) * 1e3:.0f}), ratio {fp / fl:.2f}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

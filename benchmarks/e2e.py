@@ -207,7 +207,7 @@ def _bare_setup(overrides: dict, device_name: str) -> dict:
     from fedpower_app.config import parse_config
     from fedpower_app.privacy import build_privacy
     from fedpower_app.training import evaluate as evaluate_model
-    from fedpower_app.training import train_local
+    from fedpower_app.training import silo_randomness, train_local
     from strategies import AdapterUpdate, ReleaseContext, fedlora_release, fedpower_release, group_modules
     from strategies.noise import NoiseSource
 
@@ -250,10 +250,10 @@ def _bare_setup(overrides: dict, device_name: str) -> dict:
         for pid in sampled:
             M.load_adapter_state(model, global_state)
             M.set_trainable(model, train_a=True, train_b=True)
-            gen = noise.generator(f"example-sampling/{pid}", rnd)
+            gen, dropout_seed = silo_randomness(noise, pid, rnd)
             train_local(model, shards[pid], steps=cfg["train.local-steps"], batch_size=cfg["train.batch-size"],
                         lr=cfg["train.lr"], generator=gen, poisson=(cfg["dp.level"] == "sample"), device=device,
-                        dropout_seed=noise.stream_seed(f"dropout/{pid}", rnd))
+                        dropout_seed=dropout_seed)
             st = M.adapter_state(model)
             updates.append(AdapterUpdate(A={m: st[m + M.LORA_A] for m in modules}, B={m: st[m + M.LORA_B] for m in modules},
                                          extra={k: st[k] - global_state[k] for k in extras}))

@@ -29,6 +29,7 @@ def main(argv=None) -> int:
     import torch
 
     torch.set_num_threads(1)
+    from benchmarks.common import median as med
     from benchmarks.server import SHAPES, gen, make_ctx, make_updates
     from strategies import fedlora_release, fedpower_release
 
@@ -45,7 +46,6 @@ def main(argv=None) -> int:
         if i:
             fp.append(t1 - t0)
             fl.append(t2 - t1)
-    med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
     print(f"{a.tree} {shape.name} x{a.modules}: FedPower {med(fp):.3f} s, FedLoRA {med(fl):.3f} s, "
           f"ratio {med(fp) / med(fl):.2f}  (all: {[round(x, 3) for x in fp]} / {[round(x, 3) for x in fl]})")
     return 0

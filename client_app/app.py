@@ -23,7 +23,7 @@ from fedpower_app import data as D
 from fedpower_app import model as M
 from fedpower_app.config import RunConfig, parse_config
 from fedpower_app.training import evaluate as evaluate_model
-from fedpower_app.training import train_local
+from fedpower_app.training import silo_randomness, train_local
 from strategies.noise import NoiseSource
 
 app = ClientApp()
@@ -93,15 +93,13 @@ def train(msg: Message, context: Context) -> Message:
     M.load_adapter_state(model, msg.content["arrays"].to_torch_state_dict())
     method = cfg["strategy.name"]
     M.set_trainable(model, train_a=(method != "ffa-lora"), train_b=True)
-    # Example sampling and dropout use the run's noise source: seeded per (silo, round), or OS entropy.
-    noise = NoiseSource(cfg["seed"], cfg["dp.noise"])
-    gen = noise.generator(f"example-sampling/{pid}", server_round)
+    gen, dropout_seed = silo_randomness(NoiseSource(cfg["seed"], cfg["dp.noise"]), pid, server_round)
     device = next(model.parameters()).device
     t0 = time.perf_counter()
     stats = train_local(
         model, shard, steps=cfg["train.local-steps"], batch_size=cfg["train.batch-size"], lr=cfg["train.lr"],
         generator=gen, poisson=(cfg["dp.level"] == "sample"), device=device,
-        dropout_seed=noise.stream_seed(f"dropout/{pid}", server_round),
+        dropout_seed=dropout_seed,
     )
     metrics = MetricRecord({
         "num-examples": len(shard),

@@ -52,26 +52,38 @@ def _autocast(device: torch.device):
     return contextlib.nullcontext()
 
 
+def silo_randomness(noise, partition_id: int, server_round: int) -> tuple[torch.Generator, int]:
+    """The example-sampling generator and the dropout seed of one silo's round, from the run's
+    ``NoiseSource`` (seeded per (silo, round), or OS entropy when hardened). One naming scheme
+    for the ClientApp and the benchmarks' bare loop, so both do the same work."""
+    return (noise.generator(f"example-sampling/{partition_id}", server_round),
+            noise.stream_seed(f"dropout/{partition_id}", server_round))
+
+
+@contextlib.contextmanager
+def _seeded_dropout(seed: int | None, device: torch.device):
+    """Dropout draws from torch's global RNG. With a seed, that RNG is forked and seeded for the
+    block only: a silo's round is reproducible whatever ran before it in the process (a simulation
+    worker trains many silos in turn), and the caller's RNG state is left untouched."""
+    if seed is None:
+        yield
+        return
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        yield
+
+
 def train_local(model, data: TokenizedSplit, *, steps: int, batch_size: int, lr: float,
                 generator: torch.Generator, poisson: bool, device: torch.device,
                 dropout_seed: int | None = None) -> TrainStats:
     """L steps of mini-batch Adam on the trainable parameters; a fresh optimizer every round.
-
-    Dropout draws from torch's global RNG. With ``dropout_seed`` that RNG is forked and seeded for
-    this call only, so a silo's round is reproducible whatever ran before it in the process (a
-    simulation worker trains many silos in turn) and the caller's RNG state is left untouched.
-    """
-    if dropout_seed is None:
-        return _train_local(model, data, steps=steps, batch_size=batch_size, lr=lr,
-                            generator=generator, poisson=poisson, device=device)
-    fork_devices = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=fork_devices):
-        torch.manual_seed(dropout_seed)
-        return _train_local(model, data, steps=steps, batch_size=batch_size, lr=lr,
+    ``dropout_seed`` makes the dropout masks a function of the seed alone (see ``silo_randomness``)."""
+    with _seeded_dropout(dropout_seed, device):
+        return _train_steps(model, data, steps=steps, batch_size=batch_size, lr=lr,
                             generator=generator, poisson=poisson, device=device)
 
 
-def _train_local(model, data: TokenizedSplit, *, steps: int, batch_size: int, lr: float,
+def _train_steps(model, data: TokenizedSplit, *, steps: int, batch_size: int, lr: float,
                  generator: torch.Generator, poisson: bool, device: torch.device) -> TrainStats:
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]

@@ -35,7 +35,8 @@ def run_directory(cfg: RunConfig) -> Path:
 
 
 def discover_clients(grid: Grid, cfg: RunConfig) -> dict[int, int]:
-    """Wait for ``strategy.min-nodes`` SuperNodes, then ask each for its training-shard size."""
+    """Wait for ``strategy.min-nodes`` SuperNodes, then ask each for its training-shard size.
+    Returns {node: size} in population order (``population_order``)."""
     deadline = time.time() + cfg["strategy.round-timeout"]
     while len(nodes := sorted(grid.get_node_ids())) < cfg["strategy.min-nodes"]:
         if time.time() > deadline:
