@@ -126,6 +126,8 @@ def build_model(cfg: RunConfig, num_labels: int):
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg["seed"] + 1)  # LoRA A init (kaiming) is identical on every node
         model = get_peft_model(base, lora)
+    # The seeded weights are part of the evaluated model: the released model saves them.
+    model.fedpower_missing_keys = sorted(info.get("missing_keys", []))
     return model
 
 

@@ -107,8 +107,10 @@ def _train_steps(model, data: TokenizedSplit, *, steps: int, batch_size: int, lr
 
 
 @torch.no_grad()
-def evaluate(model, data: TokenizedSplit, *, batch_size: int, device: torch.device) -> dict[str, float]:
-    """Accuracy and mean cross-entropy on a split."""
+def evaluate(model, data: TokenizedSplit, *, batch_size: int, device: torch.device,
+             logits_out: list | None = None) -> dict[str, float]:
+    """Accuracy and mean cross-entropy on a split. ``logits_out``, if given, receives the logits
+    (float32, CPU) batch by batch."""
     model.eval()
     correct, loss_sum, n = 0, 0.0, len(data)
     for start in range(0, n, batch_size):
@@ -117,6 +119,8 @@ def evaluate(model, data: TokenizedSplit, *, batch_size: int, device: torch.devi
         with _autocast(device):
             out = model(**batch)
         logits = out.logits.float()
+        if logits_out is not None:
+            logits_out.append(logits.detach().cpu())
         loss_sum += float(torch.nn.functional.cross_entropy(logits, batch["labels"], reduction="sum"))
         correct += int((logits.argmax(-1) == batch["labels"]).sum())
     return {"accuracy": correct / max(n, 1), "loss": loss_sum / max(n, 1), "num-examples": n}

@@ -12,6 +12,7 @@ import logging
 import time
 from pathlib import Path
 
+import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid, ServerApp
 
@@ -20,6 +21,7 @@ from fedpower_app import model as M
 from fedpower_app.config import RunConfig, parse_config
 from fedpower_app.logging_setup import setup_logging
 from fedpower_app.privacy import build_privacy
+from fedpower_app.released import save_released
 from fedpower_app.results import ResultsWriter
 from fedpower_app.training import evaluate as evaluate_model
 from strategies.flower import RoundReport, build_strategy, exchange
@@ -69,30 +71,49 @@ def population_order(nodes, partitions: dict[int, int]) -> list[int]:
     return sorted(nodes, key=lambda node: (partitions.get(node, float("inf")), node))
 
 
-def make_evaluator(cfg: RunConfig, model, splits, device):
-    """Central evaluation on every evaluation split; the first split drives the progress line."""
+class CentralEvaluator:
+    """Central evaluation on every evaluation split; the first split drives the progress line.
 
-    def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
-        last = server_round == cfg["num-server-rounds"]
-        if server_round > 0 and server_round % cfg["eval.every"] and not last:
+    It keeps the state and the first split's logits of its last evaluation, so the run can save
+    exactly what it evaluated and prove it (``final-eval-logits.pt``)."""
+
+    def __init__(self, cfg: RunConfig, model, splits, device) -> None:
+        self.cfg, self.model, self.splits, self.device = cfg, model, splits, device
+        self.last_state: dict | None = None
+        self.last_logits: torch.Tensor | None = None
+
+    def __call__(self, server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
+        last = server_round == self.cfg["num-server-rounds"]
+        if server_round > 0 and server_round % self.cfg["eval.every"] and not last:
             return None
-        M.load_adapter_state(model, arrays.to_torch_state_dict())
+        return self.evaluate_state(arrays.to_torch_state_dict())
+
+    def evaluate_state(self, state: dict) -> MetricRecord:
+        M.load_adapter_state(self.model, state)
         out: dict[str, float] = {}
-        for i, (name, split) in enumerate(splits.items()):
-            res = evaluate_model(model, split, batch_size=cfg["eval.batch-size"], device=device)
+        for i, (name, split) in enumerate(self.splits.items()):
+            logits: list | None = [] if i == 0 else None
+            res = evaluate_model(self.model, split, batch_size=self.cfg["eval.batch-size"], device=self.device,
+                                 logits_out=logits)
             if i == 0:
                 out["accuracy"], out["loss"] = res["accuracy"], res["loss"]
+                self.last_logits = torch.cat(logits) if logits else torch.empty(0)
             out[f"{name}-accuracy"], out[f"{name}-loss"] = res["accuracy"], res["loss"]
+        self.last_state = {k: v.detach().clone() for k, v in state.items()}
         return MetricRecord(out)
 
-    return evaluate_fn
+    def evaluated(self, state: dict) -> bool:
+        """Was ``state`` the subject of the last evaluation (bit for bit)?"""
+        last = self.last_state
+        return last is not None and last.keys() == state.keys() and all(torch.equal(last[k], state[k]) for k in state)
 
 
 def _mb(n: int) -> str:
     return f"{n / 1e6:.2f} MB"
 
 
-def progress_line(report: RoundReport, metrics: MetricRecord | None, num_rounds: int, epsilon_target, wall: float) -> str:
+def progress_line(report: RoundReport, metrics: MetricRecord | None, num_rounds: int, epsilon_target, wall: float,
+                  round_seconds: float | None = None) -> str:
     acc = f"acc {metrics['accuracy']:.4f} loss {metrics['loss']:.4f}" if metrics is not None else "acc -"
     if report.epsilon is None:
         eps = "eps n/a (non-private)"
@@ -101,7 +122,7 @@ def progress_line(report: RoundReport, metrics: MetricRecord | None, num_rounds:
     return (f"[round {report.server_round}/{num_rounds} {report.round_type}] {acc} | {eps} | clients "
             f"{report.sampled} sampled, {report.aggregated} aggregated, {len(report.dropped)} dropped | "
             f"up {_mb(report.bytes_up)} down {_mb(report.bytes_down)} | server {report.aggregation_seconds:.2f} s "
-            f"| {wall:.1f} s")
+            + (f"| round {round_seconds:.1f} s " if round_seconds is not None else "") + f"| elapsed {wall:.1f} s")
 
 
 @app.main()
@@ -153,7 +174,7 @@ def _run(grid: Grid, cfg: RunConfig, run_dir: Path, results: ResultsWriter) -> N
         population=list(sizes),  # in partition order: the order of the sampling coins
         refactor_every=cfg["strategy.refactor-every"],
     )
-    evaluate_fn = make_evaluator(cfg, model, splits, device)
+    evaluate_fn = CentralEvaluator(cfg, model, splits, device)
     t_start = time.time()
 
     def on_round(report: RoundReport, metrics: MetricRecord | None) -> None:
@@ -164,7 +185,9 @@ def _run(grid: Grid, cfg: RunConfig, run_dir: Path, results: ResultsWriter) -> N
         results.add_round(row)
         paper = getattr(privacy, "source", None) == "paper"
         target = cfg["dp.epsilon"] if privacy.enabled and not paper else None
-        line = progress_line(report, metrics, cfg["num-server-rounds"], target, row["wall_seconds"])
+        previous = results.data["rounds"][-2]["wall_seconds"] if len(results.data["rounds"]) > 1 else 0.0
+        line = progress_line(report, metrics, cfg["num-server-rounds"], target, row["wall_seconds"],
+                             row["wall_seconds"] - previous)
         if paper:  # the paper's calibration: show the true epsilon, never the claimed one as a budget
             line = line.replace("| eps ", f"| TRUE eps (paper claims {cfg['dp.epsilon']:g}) ")
         log.info("%s", line)
@@ -184,11 +207,22 @@ def _run(grid: Grid, cfg: RunConfig, run_dir: Path, results: ResultsWriter) -> N
     )
 
     final_state = result.arrays.to_torch_state_dict() if len(result.arrays) else initial_state
+    if not evaluate_fn.evaluated(final_state):  # e.g. the budget stopped the run before its last round
+        final_metrics = evaluate_fn.evaluate_state(final_state)
+        results.set("final_evaluation", {k: float(v) for k, v in final_metrics.items()})
+    # What the user takes away is what was evaluated: the adapters, the seeded head, and the
+    # evaluation's logits to check a reload against (see fedpower_app.released).
     M.load_adapter_state(model, final_state)
-    adapter_dir = run_dir / "adapter"
-    model.save_pretrained(str(adapter_dir))
+    adapter_dir = save_released(model, run_dir / "adapter", base_model=cfg["model.name"],
+                                num_labels=task.num_labels, task=cfg["task.name"], seed=cfg["seed"],
+                                max_length=cfg["task.max-length"])
+    torch.save(evaluate_fn.last_logits, run_dir / "final-eval-logits.pt")
     status = "stopped-budget" if strategy.stopped_reason else "completed"
     results.finish(status, stopped_reason=strategy.stopped_reason, adapter_dir=str(adapter_dir),
                    privacy_final=privacy.final_report())
-    log.info("run %s %s: final accuracy %s, epsilon %s; results in %s", run_dir.name, status,
-             results.data["totals"].get("final_accuracy"), results.data["totals"].get("final_epsilon"), results.path)
+    totals = results.data["totals"]
+    acc, eps = totals.get("final_accuracy"), totals.get("final_epsilon")
+    log.info("run %s %s: final accuracy %s, %s; results %s; model %s", run_dir.name, status,
+             "n/a" if acc is None else f"{acc:.4f}",
+             "non-private" if eps is None else f"epsilon {eps:.3f} (delta {cfg['dp.delta']:g})",
+             results.path, adapter_dir)

@@ -49,19 +49,14 @@ def test_flwr_run_completes_and_writes_results(strategy, flwr_home, tmp_path):
     eps = [row["epsilon"] for row in results["rounds"]]
     assert eps == sorted(eps) and eps[-1] <= results["config"]["dp.epsilon"] * (1 + 1e-6)
 
-    # The final adapters load with PEFT.
-    from peft import PeftModel
-
-    from fedpower_app.config import parse_config
-    from fedpower_app.model import build_model
+    # The released model loads in one call, head included (tests/test_released.py checks the logits).
+    from fedpower_app.released import load_released
 
     adapter_dir = out / strategy / "adapter"
-    assert (adapter_dir / "adapter_config.json").exists()
-    cfg = parse_config({"strategy.name": strategy})
-    base = build_model(cfg, 2).get_base_model()
-    loaded = PeftModel.from_pretrained(base, str(adapter_dir))
+    loaded, _tokenizer = load_released(adapter_dir)
     names = [n for n, _ in loaded.named_parameters() if "lora_B" in n]
     assert names and any(p.abs().sum() > 0 for n, p in loaded.named_parameters() if "lora_B" in n)
+    assert (out / strategy / "final-eval-logits.pt").exists()
 
 
 def test_flwr_run_rejects_bad_config(flwr_home, tmp_path):
