@@ -250,7 +250,7 @@ def _bare_setup(overrides: dict, device_name: str) -> dict:
         for pid in sampled:
             M.load_adapter_state(model, global_state)
             M.set_trainable(model, train_a=True, train_b=True)
-            gen, dropout_seed = silo_randomness(noise, pid, rnd)
+            gen, dropout_seed, _ = silo_randomness(noise, pid, rnd)
             train_local(model, shards[pid], steps=cfg["train.local-steps"], batch_size=cfg["train.batch-size"],
                         lr=cfg["train.lr"], generator=gen, poisson=(cfg["dp.level"] == "sample"), device=device,
                         dropout_seed=dropout_seed)

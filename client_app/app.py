@@ -2,8 +2,12 @@
 
 * ``query``: reports the size of the local training shard (the server needs n_i to compute the
   sample-level rate q_s = b / n_i; this reveals n_i to the server, see docs/privacy.md).
-* ``train``: loads the global adapters, runs L local steps of Adam and replies with the adapters
-  (FFA-LoRA: only B). With ``dp.level = sample`` batches are Poisson sampled.
+* ``train``: loads the global adapters, runs L local steps and replies with the adapters it was
+  told to train (``train-lora``: A and B, or only B for FFA-LoRA). When the message carries DP-SGD
+  parameters (or the silo requires them) the steps are DP-SGD (``fedpower_app.dp_sgd``): the silo
+  first checks the parameters against its own ledger (``Context.state``) and refuses a round past
+  its budget; the refusal is an error reply the server drops and counts. Otherwise plain Adam
+  (Poisson batches when ``dp.level = sample``, for the paper's server-side mechanism).
 * ``evaluate``: evaluates the global adapters on this silo's share of the evaluation split.
 
 The base model and the tokenised shard are cached per process (a Ray actor keeps them across
@@ -12,16 +16,19 @@ rounds). Any exception becomes an error reply, which the server drops and logs.
 
 from __future__ import annotations
 
+import json
 import time
 from functools import lru_cache
 
 import torch
-from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from fedpower_app import data as D
 from fedpower_app import model as M
 from fedpower_app.config import RunConfig, parse_config
+from fedpower_app.dp_sgd import DPSGDParams, dp_sgd_train_local
+from fedpower_app.silo_ledger import SiloLedger, SiloRefusal, silo_admits
 from fedpower_app.training import evaluate as evaluate_model
 from fedpower_app.training import silo_randomness, train_local
 from strategies.noise import NoiseSource
@@ -71,11 +78,55 @@ def _eval_shard(cfg: RunConfig, pid: int, num: int):
                             None if split.token_type_ids is None else split.token_type_ids[idx])
 
 
-def _reply_state(cfg: RunConfig, model, method: str) -> dict[str, torch.Tensor]:
+def _reply_state(model, train_lora: str) -> dict[str, torch.Tensor]:
     state = M.adapter_state(model)
-    if method == "ffa-lora":  # A is frozen and public: never sent back
+    if "A" not in train_lora:  # A was frozen (FFA-LoRA): public, never sent back
         state = {k: v for k, v in state.items() if not k.endswith(M.LORA_A)}
     return state
+
+
+DP_SGD_KEYS = ("dp-sgd.noise-multiplier", "dp-sgd.clip", "dp-sgd.batch-size", "dp-sgd.local-steps")
+LEDGER_KEY = "dp-sgd-ledger"
+
+
+def dp_sgd_params(config) -> DPSGDParams | None:
+    """The DP-SGD parameters a train message carries, or None if it carries none."""
+    if not any(key in config for key in DP_SGD_KEYS):
+        return None
+    try:
+        return DPSGDParams(float(config["dp-sgd.noise-multiplier"]), float(config["dp-sgd.clip"]),
+                           int(config["dp-sgd.batch-size"]), int(config["dp-sgd.local-steps"]))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise SiloRefusal(f"refused: incomplete or malformed DP-SGD parameters ({exc})") from exc
+
+
+def silo_policy(cfg: RunConfig, node_config) -> tuple[bool, float, float]:
+    """(requires DP-SGD, budget epsilon, delta) of this silo.
+
+    A silo sets its own budget with node config ``dp-max-epsilon`` (and optionally ``dp-delta``);
+    it then refuses any round without DP-SGD parameters, whatever the run config says. Without
+    it, the silo follows the run config: DP-SGD required when dp.level = sample and dp.noise-at =
+    silo, with the run's (dp.epsilon, dp.delta) as its budget."""
+    if "dp-max-epsilon" in node_config:
+        return True, float(node_config["dp-max-epsilon"]), float(node_config.get("dp-delta", cfg["dp.delta"]))
+    required = cfg["dp.level"] == "sample" and cfg["dp.noise-at"] == "silo"
+    return required, cfg["dp.epsilon"], cfg["dp.delta"]
+
+
+def _load_ledger(context: Context, delta: float, accountant: str) -> SiloLedger:
+    record = context.state.config_records.get(LEDGER_KEY)
+    if record is None:
+        return SiloLedger(delta, accountant)
+    ledger = SiloLedger.from_state_dict(json.loads(str(record["state"])))
+    if ledger.delta != delta:
+        raise SiloRefusal(f"refused: this silo's ledger is kept at delta {ledger.delta:g}, not {delta:g}")
+    return ledger
+
+
+def _sends_metrics(context: Context) -> bool:
+    """Node config ``send-metrics = false``: reply with the adapters only. Train loss, local
+    accuracy and counts are outside the DP guarantee (docs/privacy.md)."""
+    return str(context.node_config.get("send-metrics", "true")).lower() not in ("false", "0", "no")
 
 
 @app.query()
@@ -89,30 +140,54 @@ def query(msg: Message, context: Context) -> Message:
 def train(msg: Message, context: Context) -> Message:
     cfg, pid, num, _task, model, _tok = _setup(context)
     shard = _shard(cfg, pid, num)
-    server_round = int(msg.content["config"]["server-round"])
+    config = msg.content["config"]
+    server_round = int(config["server-round"])
+    train_lora = str(config.get("train-lora", "AB"))
+    if train_lora not in ("AB", "B"):
+        raise ValueError(f"train-lora must be 'AB' or 'B', got {train_lora!r}")
+    params = dp_sgd_params(config)
+    requires_dp, max_epsilon, delta = silo_policy(cfg, context.node_config)
+    ledger = None
+    if params is not None or requires_dp:
+        # The silo's own check, before its data is touched: it trusts only its own ledger.
+        ledger = _load_ledger(context, delta, cfg["dp.accountant"])
+        sample_rate = silo_admits(ledger, params, len(shard), max_epsilon=max_epsilon)
     M.load_adapter_state(model, msg.content["arrays"].to_torch_state_dict())
-    method = cfg["strategy.name"]
-    M.set_trainable(model, train_a=(method != "ffa-lora"), train_b=True)
-    gen, dropout_seed = silo_randomness(NoiseSource(cfg["seed"], cfg["dp.noise"]), pid, server_round)
+    M.set_trainable(model, train_a="A" in train_lora, train_b=True)
+    noise = NoiseSource(cfg["seed"], cfg["dp.noise"])
+    streams = silo_randomness(noise, pid, server_round)
     device = next(model.parameters()).device
     t0 = time.perf_counter()
-    stats = train_local(
-        model, shard, steps=cfg["train.local-steps"], batch_size=cfg["train.batch-size"], lr=cfg["train.lr"],
-        generator=gen, poisson=(cfg["dp.level"] == "sample"), device=device,
-        dropout_seed=dropout_seed,
-    )
-    metrics = MetricRecord({
-        "num-examples": len(shard),
-        "train-loss": float(stats.loss) if stats.loss == stats.loss else -1.0,
-        "examples-seen": stats.examples_seen,
-        "train-seconds": time.perf_counter() - t0,
-    })
-    arrays = ArrayRecord(_reply_state(cfg, model, method))
-    return Message(RecordDict({"arrays": arrays, "metrics": metrics}), reply_to=msg)
+    if ledger is not None:
+        stats = dp_sgd_train_local(model, shard, params=params, lr=cfg["train.lr"],
+                                   sampling_generator=streams.sampling, noise_generator=streams.dp_noise,
+                                   secure_noise=noise.hardened, device=device, dropout_seed=streams.dropout_seed)
+        ledger.record(sample_rate, params.noise_multiplier, params.local_steps)
+        context.state[LEDGER_KEY] = ConfigRecord({"state": json.dumps(ledger.state_dict())})
+    else:
+        stats = train_local(
+            model, shard, steps=cfg["train.local-steps"], batch_size=cfg["train.batch-size"], lr=cfg["train.lr"],
+            generator=streams.sampling, poisson=(cfg["dp.level"] == "sample"), device=device,
+            dropout_seed=streams.dropout_seed,
+        )
+    content = RecordDict({"arrays": ArrayRecord(_reply_state(model, train_lora))})
+    if _sends_metrics(context):
+        metrics = {
+            "num-examples": len(shard),
+            "train-loss": float(stats.loss) if stats.loss == stats.loss else -1.0,
+            "examples-seen": stats.examples_seen,
+            "train-seconds": time.perf_counter() - t0,
+        }
+        if ledger is not None:
+            metrics["silo-epsilon"] = ledger.epsilon()
+        content["metrics"] = MetricRecord(metrics)
+    return Message(content, reply_to=msg)
 
 
 @app.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
+    if not _sends_metrics(context):
+        raise SiloRefusal("refused: this silo sends no metrics (node config send-metrics = false)")
     cfg, pid, num, _task, model, _tok = _setup(context)
     M.load_adapter_state(model, msg.content["arrays"].to_torch_state_dict())
     device = next(model.parameters()).device

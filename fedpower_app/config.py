@@ -18,6 +18,9 @@ STRATEGIES = ("fedpower", "fedlora", "ffa-lora", "input-perturbation", "output-p
 DP_LEVELS = ("none", "sample", "client")
 TASKS = ("synthetic", "sst2", "qnli", "mnli", "qqp")
 DEVICES = ("auto", "cpu", "cuda")
+# Where sample-level noise is added: DP-SGD on every silo, or the paper's server-side noise on
+# each silo's whole clipped adapter (a reproduction of the paper).
+NOISE_AT = ("silo", "server")
 
 
 class ConfigError(ValueError):
@@ -88,6 +91,7 @@ SCHEMA: dict[str, tuple[type, Callable[[Any], str | None] | None]] = {
     "dp.level": (str, _in(DP_LEVELS)),
     "dp.epsilon": (float, _pos),
     "dp.delta": (float, _open_unit),
+    "dp.noise-at": (str, _in(NOISE_AT)),
     "dp.clip": (float, _pos),
     "dp.noise-multiplier": (float, _nonneg),
     "dp.accountant": (str, _in(("rdp", "pld"))),
@@ -175,6 +179,19 @@ def parse_config(run_config: dict[str, Any], *, defaults: dict[str, Any] | None 
     return RunConfig(values)
 
 
+def validate_overrides(overrides: dict[str, Any], *, pyproject: str | Path | None = None) -> RunConfig:
+    """Validate run-config overrides (a preset merged with ``--set`` values) before a run starts,
+    exactly as the ServerApp will: the defaults of ``pyproject`` (this project's when None) plus
+    ``overrides`` through :func:`parse_config`. Needs no data; raises ConfigError naming the key."""
+    defaults = None
+    if pyproject is not None:
+        try:
+            defaults = pyproject_defaults(Path(pyproject))
+        except (KeyError, TypeError):  # no [tool.flwr.app.config] table: this project's defaults
+            defaults = None
+    return parse_config(dict(overrides), defaults=defaults)
+
+
 def _coerce(key: str, value: Any, typ: type) -> Any:
     if typ is bool:
         if isinstance(value, bool):
@@ -198,5 +215,15 @@ def _cross_checks(v: dict[str, Any]) -> None:
         raise ConfigError("config key 'strategy.refactor-every' > 1 only applies to strategy.name = 'fedpower'")
     if v["dp.calibration"] == "paper" and v["dp.noise-multiplier"] > 0:
         raise ConfigError("config keys 'dp.calibration' = 'paper' and 'dp.noise-multiplier' > 0 are exclusive")
+    if v["dp.level"] == "client" and v["dp.noise-at"] == "silo":
+        raise ConfigError("config key 'dp.noise-at' = 'silo' (DP-SGD) gives sample-level DP; with dp.level = "
+                          "'client' set dp.noise-at = 'server'")
+    if (v["dp.level"] == "sample" and v["dp.noise-at"] == "silo"
+            and v["strategy.name"] in ("input-perturbation", "output-perturbation")):
+        raise ConfigError(f"config key 'strategy.name' = {v['strategy.name']!r} is a server-side noise mechanism; "
+                          "set dp.noise-at = 'server' (with DP-SGD on the silos use fedpower, fedlora or ffa-lora)")
+    if v["dp.calibration"] == "paper" and v["dp.noise-at"] == "silo" and v["dp.level"] == "sample":
+        raise ConfigError("config key 'dp.calibration' = 'paper' reproduces the paper's server-side noise; "
+                          "set dp.noise-at = 'server'")
     if v["task.name"] == "synthetic" and v["task.data-dir"]:
         raise ConfigError("config key 'task.data-dir' is set but task.name = 'synthetic' (choose a GLUE task)")

@@ -11,10 +11,11 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from strategies.flower import BudgetExhausted, NoPrivacy
+from strategies.privacy_contract import BudgetExhausted, NoPrivacy, ServerSideDefaults
 
 from . import accounting as A
 from .config import RunConfig
+from .silo_ledger import SiloLedger, calibrate_noise_multiplier, dp_sgd_epsilon
 
 log = logging.getLogger("fedpower")
 
@@ -34,10 +35,12 @@ class NonPrivate(NoPrivacy):
         return self.describe()
 
 
-class AccountedPrivacy:
-    """DP at sample or client level with a calibrated (or user-fixed) noise multiplier."""
+class AccountedPrivacy(ServerSideDefaults):
+    """The paper's mechanisms: server-side noise on the silos' clipped whole adapters, at sample or
+    client level, with a calibrated (or user-fixed) noise multiplier."""
 
     enabled = True
+    noise_at = "server"
 
     def __init__(self, plan: A.PrivacyPlan, calibration: A.Calibration, *, source: str) -> None:
         self.plan = plan
@@ -108,6 +111,114 @@ class AccountedPrivacy:
         }
 
 
+class SiloDPSGD:
+    """Sample-level DP by DP-SGD on the silos (``dp.noise-at = silo``): the server adds no noise.
+
+    σ is calibrated at start so that a silo that trains in *every* one of the T planned rounds
+    (L steps each, at its rate q_k = b / n_k) ends at ε; the smallest silo (largest q_k) decides.
+    The server keeps one ``SiloLedger`` per silo, counts a round for a silo when it sends it the
+    round, and never sends a round that would take a silo past ε. The run's ε is the maximum over
+    silos. Every silo also keeps its own ledger (client_app) and refuses rounds past its budget.
+    """
+
+    enabled = True
+    noise_at = "silo"
+    clip = None  # the server does not clip: every silo clips per example
+    enforces_budget = True
+
+    def __init__(self, cfg: RunConfig, client_sizes: dict[int, int]) -> None:
+        self.epsilon_target, self.delta = cfg["dp.epsilon"], cfg["dp.delta"]
+        self.batch_size, self.local_steps = cfg["train.batch-size"], cfg["train.local-steps"]
+        self.num_rounds, self.clip_norm, self.accountant = cfg["num-server-rounds"], cfg["dp.clip"], cfg["dp.accountant"]
+        self.silos = list(client_sizes)  # population order: silo i is self.silos[i]
+        self.sizes = dict(client_sizes)
+        self.rates = {node: min(1.0, self.batch_size / n) for node, n in client_sizes.items()}
+        planned_steps = self.local_steps * self.num_rounds
+        if cfg["dp.noise-multiplier"] > 0:
+            self.source, self.sigma = "noise-multiplier", float(cfg["dp.noise-multiplier"])
+        else:
+            self.source = "calibrated"
+            self.sigma = calibrate_noise_multiplier(max(self.rates.values()), planned_steps, self.epsilon_target,
+                                                    self.delta, self.accountant)
+        self.planned_epsilon = max(dp_sgd_epsilon([(q, self.sigma, planned_steps)], self.delta, self.accountant)
+                                   for q in set(self.rates.values()))
+        self.ledgers = {node: SiloLedger(self.delta, self.accountant) for node in self.silos}
+
+    # -- PrivacyHook ------------------------------------------------------------------------
+    def _epsilon_after_one_more(self, node: int) -> float:
+        return self.ledgers[node].epsilon_if(self.rates[node], self.sigma, self.local_steps)
+
+    def admit(self, nodes: list[int], server_round: int) -> list[int]:
+        admitted = []
+        for node in nodes:
+            if node not in self.ledgers:
+                log.warning("round %d: node %s is not a known silo; not sent the round", server_round, node)
+            elif self._epsilon_after_one_more(node) <= self.epsilon_target * (1 + 1e-9):
+                admitted.append(node)
+            else:
+                log.info("round %d: silo %d is at its budget (eps %.3f); not sent the round", server_round,
+                         self.silos.index(node), self.ledgers[node].epsilon())
+        return admitted
+
+    def train_config(self) -> dict:
+        return {"dp-sgd.noise-multiplier": self.sigma, "dp-sgd.clip": self.clip_norm,
+                "dp-sgd.batch-size": self.batch_size, "dp-sgd.local-steps": self.local_steps}
+
+    def record_sent(self, nodes: list[int], server_round: int) -> None:
+        # Counted when sent: a silo that trained and whose reply was lost still used its data.
+        for node in nodes:
+            self.ledgers[node].record(self.rates[node], self.sigma, self.local_steps)
+
+    def noise_stds(self, round_type: str, num_clients: int) -> list[float]:
+        return [0.0, 0.0]
+
+    def check(self, round_type: str, server_round: int) -> None:
+        if not any(self._epsilon_after_one_more(node) <= self.epsilon_target * (1 + 1e-9) for node in self.silos):
+            raise BudgetExhausted(f"every silo would cross epsilon {self.epsilon_target:g} in round {server_round}")
+
+    def record(self, round_type: str, server_round: int, num_sampled: int, num_aggregated: int) -> None:
+        return None  # the server's release is post-processing of the silos' DP-SGD
+
+    def epsilon(self) -> float:
+        return max(ledger.epsilon() for ledger in self.ledgers.values())
+
+    # -- reporting ---------------------------------------------------------------------------
+    def silo_table(self) -> list[dict[str, Any]]:
+        return [{"silo": i, "node": int(node), "n": self.sizes[node], "q": self.rates[node], "sigma": self.sigma,
+                 "local_steps": self.local_steps, "rounds_trained": self.ledgers[node].rounds,
+                 "epsilon": self.ledgers[node].epsilon()} for i, node in enumerate(self.silos)]
+
+    def describe(self) -> dict[str, Any]:
+        return {"source": self.source, "mechanism": "dp-sgd on the silos (Opacus)", "level": "sample",
+                "noise_at": "silo", "noise_multiplier": self.sigma, "clip": self.clip_norm,
+                "batch_size": self.batch_size, "local_steps": self.local_steps, "epsilon": self.epsilon_target,
+                "delta": self.delta, "accountant": self.accountant, "planned_rounds": self.num_rounds,
+                "planned_epsilon": self.planned_epsilon,
+                "participation_assumption": "calibrated as if every silo trained in every planned round; the "
+                                            "budget check enforces each silo's bound whatever happens",
+                "sample_rates": {str(i): self.rates[node] for i, node in enumerate(self.silos)},
+                "is_valid_guarantee": True,
+                "label": "sample-level (eps, delta)-DP of every silo's examples, add/remove one example; "
+                         "run epsilon = max over silos; no amplification by client sampling claimed"}
+
+    def summary_lines(self) -> list[str]:
+        q = max(self.rates.values())
+        return [
+            f"privacy: sample-level DP by DP-SGD on the silos, target (eps={self.epsilon_target:g}, "
+            f"delta={self.delta:g}), accountant {self.accountant}",
+            f"privacy: sigma={self.sigma:.4f} ({self.source}), per-example clip C={self.clip_norm:g}, b={self.batch_size}, "
+            f"L={self.local_steps}, max q={q:.5f}; noise std on each step's mean gradient sigma*C/b="
+            f"{self.sigma * self.clip_norm / self.batch_size:.3g}",
+            f"privacy: a silo that trains all T={self.num_rounds} rounds ends at eps {self.planned_epsilon:.3f}; "
+            f"no silo is sent a round past eps {self.epsilon_target:g}",
+        ]
+
+    def final_report(self) -> dict[str, Any]:
+        return {"epsilon_spent": self.epsilon(), "delta": self.delta, "level": "sample", "noise_at": "silo",
+                "is_valid_guarantee": True, "silos": self.silo_table(),
+                "ledgers": {str(i): self.ledgers[node].state_dict() for i, node in enumerate(self.silos)}}
+
+
 def make_plan(cfg: RunConfig, *, client_sizes: list[int], num_modules: int) -> A.PrivacyPlan:
     return A.PrivacyPlan(
         method=cfg["strategy.name"],
@@ -130,10 +241,17 @@ def make_plan(cfg: RunConfig, *, client_sizes: list[int], num_modules: int) -> A
     )
 
 
-def build_privacy(cfg: RunConfig, *, client_sizes: list[int], num_modules: int):
-    """The hook for this run: NonPrivate, or AccountedPrivacy calibrated from (ε, δ)."""
+def build_privacy(cfg: RunConfig, *, client_sizes: list[int] | dict[int, int], num_modules: int):
+    """The hook for this run: NonPrivate, SiloDPSGD (``dp.noise-at = silo``), or the paper's
+    server-side AccountedPrivacy calibrated from (ε, δ). ``client_sizes`` maps node -> n_k in
+    population order (a list means nodes 0..N-1)."""
     if not cfg.dp_enabled:
         return NonPrivate()
+    if not isinstance(client_sizes, dict):
+        client_sizes = dict(enumerate(client_sizes))
+    if cfg["dp.level"] == "sample" and cfg["dp.noise-at"] == "silo":
+        return SiloDPSGD(cfg, client_sizes)
+    client_sizes = list(client_sizes.values())
     plan = make_plan(cfg, client_sizes=client_sizes, num_modules=num_modules)
     if cfg["dp.calibration"] == "paper":
         return AccountedPrivacy(plan, A.calibrate(plan), source="paper")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -52,12 +53,21 @@ def _autocast(device: torch.device):
     return contextlib.nullcontext()
 
 
-def silo_randomness(noise, partition_id: int, server_round: int) -> tuple[torch.Generator, int]:
-    """The example-sampling generator and the dropout seed of one silo's round, from the run's
-    ``NoiseSource`` (seeded per (silo, round), or OS entropy when hardened). One naming scheme
-    for the ClientApp and the benchmarks' bare loop, so both do the same work."""
-    return (noise.generator(f"example-sampling/{partition_id}", server_round),
-            noise.stream_seed(f"dropout/{partition_id}", server_round))
+class SiloStreams(NamedTuple):
+    """The random streams of one silo's round."""
+
+    sampling: torch.Generator  # example-sampling coins (Poisson under DP)
+    dropout_seed: int  # LoRA / encoder dropout masks
+    dp_noise: torch.Generator  # DP-SGD Gaussian noise (sample level, noise on the silo)
+
+
+def silo_randomness(noise, partition_id: int, server_round: int) -> SiloStreams:
+    """The random streams of one silo's round, from the run's ``NoiseSource`` (seeded per (silo,
+    round), or OS entropy when hardened). One naming scheme for the ClientApp and the benchmarks'
+    bare loop, so both do the same work."""
+    return SiloStreams(noise.generator(f"example-sampling/{partition_id}", server_round),
+                       noise.stream_seed(f"dropout/{partition_id}", server_round),
+                       noise.generator(f"dp-sgd-noise/{partition_id}", server_round))
 
 
 @contextlib.contextmanager

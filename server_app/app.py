@@ -155,7 +155,7 @@ def _run(grid: Grid, cfg: RunConfig, run_dir: Path, results: ResultsWriter) -> N
     results.set("clients", {"count": len(sizes), "dataset_sizes": sorted(sizes.values())})
     log.info("%d clients, shard sizes %s", len(sizes), sorted(sizes.values()))
 
-    privacy = build_privacy(cfg, client_sizes=list(sizes.values()), num_modules=len(modules))
+    privacy = build_privacy(cfg, client_sizes=sizes, num_modules=len(modules))
     results.set("privacy", privacy.describe())
     for line in privacy.summary_lines():
         log.info("%s", line)

@@ -17,7 +17,7 @@ import time
 from abc import abstractmethod
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Iterable, Protocol
+from typing import Callable, Iterable
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
@@ -35,45 +35,12 @@ from .releases import (
     input_perturbation_release,
     output_perturbation_release,
 )
+from .privacy_contract import BudgetExhausted, NoPrivacy, PrivacyHook  # noqa: F401 (re-exported)
 from .validation import InvalidReply, validate_tensors
 
 log = logging.getLogger("fedpower")
 
 LORA_A, LORA_B = ".lora_A.weight", ".lora_B.weight"
-
-
-class BudgetExhausted(RuntimeError):
-    """The next release would exceed the privacy budget; nothing was released."""
-
-
-class PrivacyHook(Protocol):
-    def noise_stds(self, round_type: str, num_clients: int) -> list[float]: ...
-    def check(self, round_type: str, server_round: int) -> None: ...
-    def record(self, round_type: str, server_round: int, num_sampled: int, num_aggregated: int) -> None: ...
-    def epsilon(self) -> float | None: ...
-    @property
-    def clip(self) -> float | None: ...
-    @property
-    def enabled(self) -> bool: ...
-
-
-class NoPrivacy:
-    """Non-private mode: no clipping, no noise, no ledger."""
-
-    enabled = False
-    clip = None
-
-    def noise_stds(self, round_type: str, num_clients: int) -> list[float]:
-        return [0.0, 0.0]
-
-    def check(self, round_type: str, server_round: int) -> None:
-        return None
-
-    def record(self, round_type, server_round, num_sampled, num_aggregated) -> None:
-        return None
-
-    def epsilon(self) -> float | None:
-        return None
 
 
 @dataclass
@@ -95,6 +62,7 @@ class RoundReport:
     epsilon: float | None = None
     noise_stds: list[float] = field(default_factory=list)
     released: bool = True
+    over_budget: int = 0  # sampled silos not sent the round: their ledger would cross the budget
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -176,7 +144,7 @@ class LoRAStrategy(Strategy):
             if r != r_b or r != rank:
                 raise ValueError(f"module {name}: A is {r}x{n}, B is {m}x{r_b}, but rank is {rank}")
             shapes[name] = (m, n, r)
-        clip = self.privacy.clip if self.privacy.enabled else float("inf")
+        clip = self.privacy.clip if self.privacy.clip is not None else float("inf")  # None: the server does not clip
         self.ctx = ReleaseContext(
             groups=group_modules(shapes),
             extra_shapes={k: tuple(self.global_state[k].shape) for k in self.extras},
@@ -235,9 +203,16 @@ class LoRAStrategy(Strategy):
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
         nodes = self._nodes(grid)
-        self._sampled = self.sample_clients(server_round, nodes)
+        sampled = self.sample_clients(server_round, nodes)
+        # DP-SGD on the silos: a silo whose ledger would cross the budget is never sent the round.
+        self._sampled = self.privacy.admit(sampled, server_round)
+        self._over_budget = len(sampled) - len(self._sampled)
         config["server-round"] = server_round
         config["round-type"] = self.round_type(server_round)
+        config["train-lora"] = "AB" if self.replies_a else "B"  # what the silo trains and sends back
+        for key, value in self.privacy.train_config().items():
+            config[key] = value
+        self.privacy.record_sent(self._sampled, server_round)
         content = RecordDict({"arrays": arrays, "config": config})
         self._bytes_down = arrays.count_bytes() * len(self._sampled)
         return [Message(content=content, dst_node_id=n, message_type=MessageType.TRAIN) for n in self._sampled]
@@ -272,7 +247,8 @@ class LoRAStrategy(Strategy):
                                                    msg.metadata.src_node_id))
         report = RoundReport(server_round=server_round, round_type=self.round_type(server_round),
                              sampled=len(self._sampled), replied=len(replies),
-                             bytes_down=getattr(self, "_bytes_down", 0))
+                             bytes_down=getattr(self, "_bytes_down", 0),
+                             over_budget=getattr(self, "_over_budget", 0))
         updates, losses, seen = [], [], set()
         for msg in replies:
             node = msg.metadata.src_node_id
@@ -291,8 +267,9 @@ class LoRAStrategy(Strategy):
         report.aggregated = len(updates)
         report.train_loss = sum(losses) / len(losses) if losses else None
 
-        if not updates and not self.privacy.enabled:
-            # Non-private and nobody to aggregate: keep the global model (nothing to hide).
+        if not updates and self.privacy.noise_at != "server":
+            # Nobody to aggregate and no server noise to release (non-private, or DP-SGD on the
+            # silos where only the silos' replies touch data): keep the global model.
             report.released = False
             self._finish_round(report)
             return None, None

@@ -28,7 +28,7 @@ def run_inprocess(tmp_path, num_nodes=2, handlers=None, node_ids=None, **overrid
 
 
 def test_fedpower_sample_level_run_accounts_and_saves(tmp_path):
-    res, run_dir = run_inprocess(tmp_path, **{"num-server-rounds": 2})
+    res, run_dir = run_inprocess(tmp_path, **{"num-server-rounds": 2, "dp.noise-at": "server"})
     assert res["status"] == "completed"
     assert res["clients"]["dataset_sizes"] == [120, 120]
     cal = res["privacy"]["calibration"]

@@ -6,6 +6,7 @@ import pytest
 import torch
 from flwr.app import ArrayRecord, Error, Message, MetricRecord, RecordDict
 
+from strategies.privacy_contract import ServerSideDefaults
 from strategies.flower import BudgetExhausted, FedLoRAStrategy, FedPowerStrategy, FFALoRAStrategy, build_strategy
 from strategies.noise import NoiseSource
 from fedpower_app.inprocess import InProcessGrid
@@ -42,10 +43,11 @@ def fake_client(delta_scale=0.5, send_a=True):
     return app
 
 
-class FixedPrivacy:
+class FixedPrivacy(ServerSideDefaults):
     """A privacy hook with fixed stds (tests the strategy plumbing, not the accountant)."""
 
     enabled = True
+    noise_at = "server"
 
     def __init__(self, clip=1.0, std=0.0, budget_rounds=None):
         self.clip, self.std, self.budget_rounds, self.recorded = clip, std, budget_rounds, []

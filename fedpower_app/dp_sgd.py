@@ -1,0 +1,136 @@
+"""DP-SGD inside a silo (Opacus): sample-level DP where the data is.
+
+Each of the L local steps of a round
+1. samples a Poisson batch: every example of the silo independently with probability q = b / n
+   (coins from the run's noise source, as the accountant assumes);
+2. computes per-example gradients of the trainable tensors (Opacus ``GradSampleModule`` hooks:
+   LoRA A and B, only B for FFA-LoRA, the head if it trains);
+3. clips each example's whole gradient (one norm over all trainable tensors) to C;
+4. adds N(0, (σ·C)²) to the sum, divides by the expected batch size b and takes an optimizer step.
+
+An empty Poisson batch is a noise-only step, never a skipped one: skipping would make the number
+of steps depend on the data's sampling, which the accountant does not model.
+
+Everything the silo sends afterwards is post-processing of these noisy steps, so the server's
+merge, average and refactorization need no noise of their own.
+
+Opacus + PEFT pitfalls (opacus#820, peft#3409) handled here: the model is on its device before
+``get_peft_model`` (``model.build_model``), ``requires_grad`` is settled before wrapping (one
+wrapper per trainable set), the wrapper is built once per process and the adapters are loaded in
+place every round, a fresh ``DPOptimizer`` is built per silo and round, and the model is never
+switched to ``eval()`` while gradients are sampled.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .data import TokenizedSplit
+from .training import TrainStats, _autocast, _seeded_dropout, batch_indices
+
+
+@dataclass(frozen=True)
+class DPSGDParams:
+    """The DP parameters of one silo's round, as sent by the server and checked by the silo."""
+
+    noise_multiplier: float  # σ: noise std on each step's clipped sum is σ·C
+    clip: float  # C: per-example clip norm of the whole trainable gradient
+    batch_size: int  # b: expected Poisson batch size (q = b / n)
+    local_steps: int  # L: exactly L steps per round
+
+    def sample_rate(self, num_examples: int) -> float:
+        return min(1.0, self.batch_size / num_examples)
+
+    def problems(self) -> list[str]:
+        """What makes these parameters unusable (empty if none)."""
+        out = []
+        if not (math.isfinite(self.noise_multiplier) and self.noise_multiplier >= 0):
+            out.append(f"noise multiplier must be finite and >= 0, got {self.noise_multiplier!r}")
+        if not (math.isfinite(self.clip) and self.clip > 0):
+            out.append(f"clip must be finite and > 0, got {self.clip!r}")
+        if self.batch_size < 1:
+            out.append(f"batch size must be >= 1, got {self.batch_size!r}")
+        if self.local_steps < 1:
+            out.append(f"local steps must be >= 1, got {self.local_steps!r}")
+        return out
+
+
+_WRAPPED: dict[tuple, object] = {}
+
+
+def _trainable_signature(model) -> tuple:
+    return tuple(name for name, p in model.named_parameters() if p.requires_grad)
+
+
+def grad_sample_module(model):
+    """The model wrapped for per-example gradients, once per process and trainable set.
+
+    Opacus registers hooks on the modules whose parameters require grad at wrap time, so a change
+    of trainable set (FFA-LoRA freezes A) gets its own wrapper around the same model."""
+    from opacus import GradSampleModule
+
+    key = (id(model), _trainable_signature(model))
+    if key not in _WRAPPED:
+        for other in [k for k in _WRAPPED if k[0] == id(model)]:
+            _WRAPPED.pop(other)._close()  # remove the old hooks: one wrapper per model at a time
+        _WRAPPED[key] = GradSampleModule(model, batch_first=True, loss_reduction="mean", strict=True)
+    return _WRAPPED[key]
+
+
+def _empty_grad_samples(params) -> None:
+    for p in params:
+        p.grad_sample = torch.zeros((0, *p.shape), dtype=p.dtype, device=p.device)
+
+
+def dp_sgd_train_local(model, data: TokenizedSplit, *, params: DPSGDParams, lr: float,
+                       sampling_generator: torch.Generator, noise_generator: torch.Generator | None,
+                       device: torch.device, secure_noise: bool = False,
+                       dropout_seed: int | None = None, optimizer: str = "adam") -> TrainStats:
+    """One silo's round of DP-SGD on ``model`` (a PEFT model whose trainable set is settled).
+
+    ``noise_generator`` feeds Opacus' Gaussian noise (seeded runs repeat); ``secure_noise`` uses
+    Opacus' secure mode (sum of draws), for the hardened noise source."""
+    from opacus.optimizers import DPOptimizer
+
+    problems = params.problems()
+    if problems:
+        raise ValueError("invalid DP-SGD parameters: " + "; ".join(problems))
+    gsm = grad_sample_module(model)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if not trainable:
+        raise ValueError("DP-SGD needs at least one trainable tensor")
+    base = torch.optim.Adam(trainable, lr=lr) if optimizer == "adam" else torch.optim.SGD(trainable, lr=lr)
+    dp_optimizer = DPOptimizer(base, noise_multiplier=params.noise_multiplier, max_grad_norm=params.clip,
+                               expected_batch_size=params.batch_size, loss_reduction="mean",
+                               generator=noise_generator, secure_mode=secure_noise)
+    gsm.enable_hooks()
+    gsm.train()
+    total, count, seen, empty = 0.0, 0, 0, 0
+    try:
+        with _seeded_dropout(dropout_seed, device):
+            for idx in batch_indices(len(data), params.batch_size, params.local_steps, sampling_generator,
+                                     poisson=True):
+                dp_optimizer.zero_grad(set_to_none=True)
+                if len(idx) == 0:
+                    empty += 1
+                    _empty_grad_samples(trainable)  # noise-only step
+                else:
+                    batch = data.batch(idx, device)
+                    with _autocast(device):
+                        out = gsm(**batch)
+                    loss = out.loss.float()
+                    loss.backward()
+                    total += float(loss.detach())
+                    count += 1
+                    seen += len(idx)
+                dp_optimizer.step()
+    finally:
+        dp_optimizer.zero_grad(set_to_none=True)  # no per-example buffers survive the round
+        # The hooks stay registered (one wrapper per process) but idle: plain training and
+        # evaluation of the same model compute no per-example gradients.
+        gsm.disable_hooks()
+    return TrainStats(loss=total / count if count else math.nan, steps=params.local_steps,
+                      examples_seen=seen, empty_steps=empty)

@@ -1,0 +1,149 @@
+"""Per-silo accounting of DP-SGD on the silos (sample-level DP, noise added where the data is).
+
+A silo's examples are touched only in the rounds that silo trains. Each such round is L steps of
+the Poisson-subsampled Gaussian mechanism on that silo's data, at rate q_k = b / n_k with noise
+multiplier σ (add/remove one example). So after T_k trained rounds
+
+    ε_k = ε( SGM(q_k, σ) composed L·T_k times, δ )
+
+and the run's ε is max_k ε_k: every silo's data enjoys (ε_k, δ)-DP, and no silo's more than the
+maximum. Other silos' data, client sampling and the server's merge/average/refactorization are
+post-processing of the silos' noisy steps, so they cost nothing. No amplification by the secrecy
+of client sampling is claimed.
+
+Both the server and every silo keep such a ledger: the server's to plan and to stop sending rounds
+to a silo at its budget, the silo's own (in Flower's ``Context.state``) so that its ε never
+depends on the server telling the truth.
+
+RDP uses opacus' analysis (the orders of ``fedpower_app.accounting``); PLD uses dp-accounting.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+import numpy as np
+
+from . import accounting as A
+
+
+def _pld_epsilon(events: tuple, delta: float, interval: float) -> float:
+    import dp_accounting
+
+    acc = dp_accounting.pld.PLDAccountant(value_discretization_interval=interval)
+    for q, sigma, steps in events:
+        if steps and q > 0 and sigma != math.inf:
+            acc.compose(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), int(steps))
+    return float(acc.get_epsilon(delta))
+
+
+@lru_cache(maxsize=4096)
+def _rdp_steps(q: float, sigma: float, steps: int) -> tuple:
+    return tuple(A.rdp_sgm(q, sigma) * steps)
+
+
+def dp_sgd_epsilon(events, delta: float, accountant: str = "rdp",
+                   pld_interval: float = A.DEFAULT_PLD_INTERVAL) -> float:
+    """ε of a composition of DP-SGD runs ``events = [(q, σ, steps), ...]`` at ``delta``."""
+    events = tuple((float(q), float(s), int(n)) for q, s, n in events if n > 0)
+    if not events:
+        return 0.0
+    if any(s <= 0 for _, s, _ in events):
+        return math.inf
+    if accountant == "pld":
+        return _pld_epsilon(events, delta, pld_interval)
+    if accountant != "rdp":
+        raise ValueError(f"accountant must be rdp or pld, got {accountant!r}")
+    vec = np.sum([np.asarray(_rdp_steps(q, s, n)) for q, s, n in events], axis=0)
+    return A.rdp_to_epsilon(vec, delta)[0]
+
+
+def calibrate_noise_multiplier(sample_rate: float, steps: int, epsilon: float, delta: float,
+                               accountant: str = "rdp", rel_tol: float = 1e-4) -> float:
+    """The smallest σ (to ``rel_tol``) with ε(SGM(sample_rate, σ)^steps, δ) <= epsilon."""
+    if not (epsilon > 0 and 0 < delta < 1 and 0 < sample_rate <= 1 and steps >= 1):
+        raise ValueError(f"cannot calibrate: epsilon={epsilon}, delta={delta}, q={sample_rate}, steps={steps}")
+
+    def eps(sigma: float) -> float:
+        return dp_sgd_epsilon([(sample_rate, sigma, steps)], delta, accountant)
+
+    lo, hi = 0.05, 1.0
+    while eps(hi) > epsilon:
+        lo, hi = hi, hi * 2
+        if hi > 1e6:
+            raise ValueError("no noise multiplier below 1e6 reaches the target epsilon")
+    while eps(lo) <= epsilon and lo > 1e-3:
+        lo /= 2
+    while hi / lo > 1 + rel_tol:
+        mid = math.sqrt(lo * hi)
+        lo, hi = (lo, mid) if eps(mid) <= epsilon else (mid, hi)
+    return hi
+
+
+@dataclass
+class SiloLedger:
+    """The DP-SGD rounds one silo trained: a list of (q, σ, steps) entries, merged when equal."""
+
+    delta: float
+    accountant: str = "rdp"
+    entries: list = field(default_factory=list)  # [[q, sigma, steps, rounds], ...]
+
+    def record(self, sample_rate: float, noise_multiplier: float, steps: int) -> None:
+        for entry in self.entries:
+            if entry[0] == sample_rate and entry[1] == noise_multiplier:
+                entry[2] += int(steps)
+                entry[3] += 1
+                return
+        self.entries.append([float(sample_rate), float(noise_multiplier), int(steps), 1])
+
+    @property
+    def rounds(self) -> int:
+        return sum(e[3] for e in self.entries)
+
+    def events(self, extra: tuple | None = None) -> list:
+        out = [(q, s, n) for q, s, n, _ in self.entries]
+        return out + ([extra] if extra else [])
+
+    def epsilon(self) -> float:
+        return dp_sgd_epsilon(self.events(), self.delta, self.accountant)
+
+    def epsilon_if(self, sample_rate: float, noise_multiplier: float, steps: int) -> float:
+        """ε after one more round with these parameters (nothing is recorded)."""
+        return dp_sgd_epsilon(self.events((sample_rate, noise_multiplier, steps)), self.delta, self.accountant)
+
+    def state_dict(self) -> dict:
+        return {"delta": self.delta, "accountant": self.accountant, "entries": [list(e) for e in self.entries]}
+
+    @classmethod
+    def from_state_dict(cls, state: dict) -> "SiloLedger":
+        return cls(delta=float(state["delta"]), accountant=str(state["accountant"]),
+                   entries=[[float(q), float(s), int(n), int(r)] for q, s, n, r in state["entries"]])
+
+
+class SiloRefusal(RuntimeError):
+    """A silo refuses a train round; the ClientApp turns it into an error reply that the server
+    drops and counts. The message says why."""
+
+
+def silo_admits(ledger: SiloLedger, params, num_examples: int, *, max_epsilon: float) -> float:
+    """The silo's own check of a DP-SGD round before it touches its data; returns q = b / n.
+
+    ``params`` are the DP parameters the server sent (``DPSGDParams``, or None when it sent none).
+    Raises ``SiloRefusal`` if they are missing or unusable, or if training would take this silo's
+    own ledger past ``max_epsilon``. The silo trusts only its own ledger and its own n."""
+    if params is None:
+        raise SiloRefusal("refused: the train message carries no DP-SGD parameters, and this silo "
+                          "trains only with DP-SGD")
+    problems = params.problems()
+    if problems:
+        raise SiloRefusal("refused: invalid DP-SGD parameters: " + "; ".join(problems))
+    if params.noise_multiplier <= 0:
+        raise SiloRefusal("refused: noise multiplier 0 gives no privacy")
+    q = params.sample_rate(num_examples)
+    after = ledger.epsilon_if(q, params.noise_multiplier, params.local_steps)
+    if after > max_epsilon * (1 + 1e-9):
+        raise SiloRefusal(f"refused: this round would take the silo to epsilon {after:.3f} > its budget "
+                          f"{max_epsilon:g} (delta {ledger.delta:g}; {ledger.rounds} rounds trained so far)")
+    return q
