@@ -215,9 +215,6 @@ def _cross_checks(v: dict[str, Any]) -> None:
         raise ConfigError("config key 'strategy.refactor-every' > 1 only applies to strategy.name = 'fedpower'")
     if v["dp.calibration"] == "paper" and v["dp.noise-multiplier"] > 0:
         raise ConfigError("config keys 'dp.calibration' = 'paper' and 'dp.noise-multiplier' > 0 are exclusive")
-    if v["dp.level"] == "client" and v["dp.noise-at"] == "silo":
-        raise ConfigError("config key 'dp.noise-at' = 'silo' (DP-SGD) gives sample-level DP; with dp.level = "
-                          "'client' set dp.noise-at = 'server'")
     if (v["dp.level"] == "sample" and v["dp.noise-at"] == "silo"
             and v["strategy.name"] in ("input-perturbation", "output-perturbation")):
         raise ConfigError(f"config key 'strategy.name' = {v['strategy.name']!r} is a server-side noise mechanism; "
