@@ -677,8 +677,8 @@ def load_glue_hub(
             f"Could not load GLUE task {spec.name!r} from the Hugging Face hub "
             f"({HUB_DATASET!r}, config {spec.hf_config!r}): {type(exc).__name__}: {exc}. "
             "The hub is probably unreachable from this machine; point the run-config key "
-            "`data-dir` (data_dir=...) at a local GLUE directory (official TSVs or HF "
-            "parquet/CSV exports) instead."
+            "`task.data-dir` (e.g. --set task.data-dir='\"/path/to/glue\"'; load_glue(data_dir=...) "
+            "in Python) at a local GLUE directory (official TSVs or HF parquet/CSV exports) instead."
         ) from exc
     splits = {split: _hub_split_to_examples(spec, split, ds) for split, ds in raw.items()}
     return _apply_limits(spec, splits, max_train, max_eval, seed)

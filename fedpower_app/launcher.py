@@ -1,30 +1,78 @@
-"""``fedpower-run``: run the app through ``flwr run`` and report the run's real status.
-
-``flwr run`` exits 0 even when the run fails, and the managed local SuperLink needs a few
-environment variables to work offline. This wrapper sets them, streams the run's output, then
-asks ``flwr ls --format json`` for the run's status and exits non-zero unless it completed.
+"""``fedpower-run``: run the app through ``flwr run`` on a SuperLink this process owns, and report
+the run's real status.
 
     fedpower-run                                   # default config, 6 simulated silos
     fedpower-run --preset conf/tiny.toml --set num-server-rounds=3 --set strategy.name='"fedlora"'
+    fedpower-run --verbose ...                     # everything Flower, Ray and transformers print
+
+What it does, in order:
+
+1. **Validates the configuration before anything starts.** pyproject defaults + ``--preset`` +
+   ``--set`` go through :func:`fedpower_app.config.validate_overrides` (the ServerApp's own
+   ``parse_config``), plus the checks that involve the simulation flags (``--supernodes`` against
+   ``strategy.min-nodes``, ``device = "cuda"`` without ``--gpus-per-client``). A bad value exits 2
+   with one line naming the key, in well under a second, without starting any process.
+2. **Starts its own SuperLink** as a child process: ``flower-superlink --insecure --simulation
+   --isolation subprocess --host 127.0.0.1 --port <free port> --database :flwr-in-memory:``, in a
+   new session (``start_new_session=True``), and waits until its HTTP API (Control, Fleet and
+   Runtime APIs share one port in Flower 1.41) answers ``/health``.
+3. **Runs** ``flwr run <app> fedpower-run --stream`` against it. The connection
+   ``fedpower-run`` (explicit address ``127.0.0.1:<port>``, ``insecure = true``) lives in the
+   ``config.toml`` of a private CLI home (``$FLWR_HOME/fedpower-run/<pid>-<port>/``), given to the
+   ``flwr`` CLI processes only as their ``FLWR_HOME``; the user's ``$FLWR_HOME/config.toml`` is
+   never touched. The SuperLink and the simulation keep the real ``FLWR_HOME`` (installed apps).
+   ``--federation-config "num-supernodes=..."`` works as with ``:local:`` (it is a per-run
+   ``SimulationConfig`` that any ``--simulation`` SuperLink accepts).
+4. **Checks the status** with ``flwr ls --run-id <id> --format json`` while the SuperLink is still
+   up (``flwr run`` exits 0 when a run fails), stops a run that is still going (``flwr stop``).
+5. **Stops everything it started, by PID**, in a ``finally`` (success, failure, Ctrl-C, SIGTERM,
+   SIGHUP): :func:`terminate_tree` snapshots the SuperLink's descendants (``flower-superexec``
+   runs in a session of its own, ``flwr-simulation`` and Ray below it), sends SIGTERM to the
+   process groups they lead and to each PID, waits, then SIGKILLs what is left. Nothing is ever
+   matched by name or pattern.
+
+Why not ``flwr run`` with the ``:local:`` connection: it spawns a *detached, persistent*
+``flower-superlink`` (``flwr/cli/local_superlink.py``) whose PID nobody records, shared by every
+user of the same port, which leaves the SuperLink, a SuperExec and a zombie ``flwr-simulation``
+behind and could only be stopped by pattern (``pkill -f``). An explicit-address connection also
+means a dead SuperLink gives a connection error instead of silently spawning a new detached one.
+
+Library use (:func:`run_flwr`, e.g. ``fedpower-experiment``): by default the SuperLink is kept for
+the next call with the same ``flwr_home`` (a grid of cells reuses it; ``flwr ls``/``flwr stop``
+with :func:`flwr_env` keep working between calls) and stopped by :func:`stop_local_superlink`, at
+interpreter exit, or - when started from the main thread - by the kernel if this process dies
+(``PR_SET_PDEATHSIG``). ``fedpower-run`` always stops it before exiting.
+
+Console: unless ``--verbose``, known-harmless noise is hidden (see :data:`NOISE_PATTERNS` and
+:class:`ConsoleFilter`; the full output is still returned in :class:`RunOutcome`), Python
+FutureWarnings from Ray and transformers and the model-loading progress bars are switched off in
+the environment of the processes started, and a failed run ends with one ``fedpower-run: error``
+line naming the exception. ``--verbose`` shows everything, with Flower's DEBUG log.
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
+import collections
 import hashlib
 import json
 import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
+import urllib.error
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
-from .config import PROJECT_ROOT, ConfigError, SCHEMA, load_preset
+from .config import PROJECT_ROOT, ConfigError, RunConfig, SCHEMA, load_preset, validate_overrides
 
 OFFLINE_ENV = {
     "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",  # no `uv sync` of torch per run (offline, fast)
@@ -34,6 +82,27 @@ OFFLINE_ENV = {
     "RAY_DEDUP_LOGS": "0",
     "TOKENIZERS_PARALLELISM": "false",
 }
+
+# Environment of the SuperLink (hence the simulation and Ray) unless --verbose: silence known-harmless
+# output at its source. Python warning filters name the module that issues the warning.
+QUIET_ENV = {
+    # "FutureWarning: Tip: In future versions of Ray, Ray will no longer override accelerator visible
+    # devices ..." (every Ray init) and transformers' "`is_gradient_checkpointing` is deprecated" (PEFT).
+    "PYTHONWARNINGS": "ignore::FutureWarning:ray._private.worker,ignore::FutureWarning:transformers.modeling_utils",
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",  # "Loading weights: 100%|####| 103/103" per process
+}
+# (Not RAY_BACKEND_LOG_LEVEL: Ray's C++ logs go to files anyway, and setting it makes every raylet
+# print "Set ray log level from environment variable RAY_BACKEND_LOG_LEVEL" on the console.)
+# --verbose: everything back, plus Flower's DEBUG log (with timestamps) and fedpower's DEBUG lines.
+VERBOSE_ENV = {"FLWR_LOG_LEVEL": "DEBUG", "FEDPOWER_VERBOSE": "1"}
+
+CONNECTION = "fedpower-run"  # name of the connection in the private CLI home
+SUPERLINK_START_TIMEOUT = 60.0
+STOP_GRACE_SECONDS = 10.0
+
+
+class LauncherError(RuntimeError):
+    """The launcher could not start or talk to its SuperLink."""
 
 
 @dataclass
@@ -47,6 +116,10 @@ class RunOutcome:
     @property
     def ok(self) -> bool:
         return self.status == "finished:completed"
+
+    def error_summary(self) -> str | None:
+        """The exception that ended a failed run, as one line (``ConfigError: config key ...``)."""
+        return last_exception_line(self.output)
 
 
 def toml_value(value: Any) -> str:
@@ -67,7 +140,8 @@ def run_config_arg(overrides: dict[str, Any]) -> str:
 
 def flwr_env(flwr_home: str | Path | None, superlink_port: int | None = None) -> dict[str, str]:
     """Environment for ``flwr``: offline settings, FLWR_HOME and, optionally, private SuperLink ports
-    (so parallel jobs on one host do not share a managed SuperLink)."""
+    (``FLWR_LOCAL_*``: a ``:local:`` connection then reaches the SuperLink :func:`run_flwr` keeps on
+    that port)."""
     env = dict(os.environ)
     env.update({k: env.get(k, v) for k, v in OFFLINE_ENV.items()})
     # flwr spawns flower-superlink / flwr-simulation by name: make this interpreter's scripts findable
@@ -86,10 +160,30 @@ def flwr_env(flwr_home: str | Path | None, superlink_port: int | None = None) ->
     return env
 
 
+def output_env(env: dict[str, str], verbose: bool) -> dict[str, str]:
+    """``env`` plus the console settings: :data:`QUIET_ENV` by default, :data:`VERBOSE_ENV` with --verbose."""
+    env = dict(env)
+    if verbose:
+        env.update(VERBOSE_ENV)
+        return env
+    for key, value in QUIET_ENV.items():
+        if key == "PYTHONWARNINGS" and env.get(key):
+            env[key] = f"{env[key]},{value}"  # keep the user's filters
+        else:
+            env.setdefault(key, value)
+    return env
+
+
 def default_superlink_port(flwr_home: str | Path) -> int:
-    """A stable private port per FLWR_HOME (the managed SuperLink is shared by port, not by home)."""
+    """A stable port per FLWR_HOME (what :func:`flwr_env` exports when no port is given)."""
     digest = hashlib.sha256(str(Path(flwr_home).expanduser().resolve()).encode()).digest()
     return 40000 + int.from_bytes(digest[:2], "little") % 20000 // 4 * 4
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _num(value: float) -> str:
@@ -104,10 +198,441 @@ def _flwr() -> str:
     return exe
 
 
-def run_status(run_id: str, env: dict[str, str]) -> str:
+def _superlink_exe() -> str:
+    exe = Path(sys.executable).with_name("flower-superlink")
+    found = str(exe) if exe.exists() else shutil.which("flower-superlink")
+    if not found:
+        raise LauncherError("the `flower-superlink` command was not found; install flwr[simulation]")
+    return found
+
+
+def _home(flwr_home: str | Path | None) -> Path:
+    return Path(flwr_home or os.environ.get("FLWR_HOME") or Path.home() / ".flwr").expanduser().resolve()
+
+
+# ------------------------------------------------------------------------------------------------
+# Processes: started in a session of their own, stopped by PID
+# ------------------------------------------------------------------------------------------------
+
+def _descendants(pid: int) -> list:
+    """psutil.Process objects of every descendant of ``pid`` (empty if psutil is missing)."""
+    try:
+        import psutil
+
+        return psutil.Process(pid).children(recursive=True)
+    except Exception:  # psutil missing, or the process is gone
+        return []
+
+
+def terminate_tree(proc: subprocess.Popen, grace: float | None = None) -> list[int]:
+    """Stop ``proc`` (started with ``start_new_session=True``) and everything it started, by PID.
+
+    The descendants are recorded first (they may live in sessions of their own, like
+    ``flower-superexec``); then SIGTERM goes to every process group led by one of these processes
+    (which also reaches children whose parent already exited) and to every other recorded PID;
+    after ``grace`` seconds (default :data:`STOP_GRACE_SECONDS`) whatever is left gets SIGKILL.
+    Returns the PIDs that were signalled.
+    """
+    grace = STOP_GRACE_SECONDS if grace is None else grace
+    try:
+        import psutil
+    except ImportError:  # pragma: no cover - psutil ships with ray; fall back to the group only
+        psutil = None
+    procs = _descendants(proc.pid)
+    if psutil is not None:
+        try:
+            procs.insert(0, psutil.Process(proc.pid))
+        except psutil.Error:
+            pass
+    pids = {proc.pid} | {p.pid for p in procs}
+
+    def signal_all(sig: int) -> None:
+        groups = set()
+        for p in procs:
+            try:
+                pgid = os.getpgid(p.pid)
+            except OSError:
+                continue
+            if pgid in pids and _alive(p):  # only groups led by a process we started
+                groups.add(pgid)
+        if psutil is None and proc.poll() is None:
+            groups.add(proc.pid)
+        for pgid in groups:
+            try:
+                os.killpg(pgid, sig)
+            except OSError:
+                pass
+        for p in procs:
+            try:
+                if os.getpgid(p.pid) not in groups:
+                    p.send_signal(sig)  # psutil checks that the PID was not reused
+            except Exception:
+                pass
+
+    signal_all(signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while True:
+        proc.poll()  # reap our direct child
+        alive = [p for p in procs if _alive(p)]
+        if proc.poll() is not None and not alive:
+            break
+        if time.monotonic() > deadline:
+            signal_all(signal.SIGKILL)
+            break
+        for p in alive:  # processes spawned while shutting down are stopped too
+            for child in _children(p):
+                if child.pid not in pids:
+                    pids.add(child.pid)
+                    procs.append(child)
+                    try:
+                        child.terminate()
+                    except Exception:
+                        pass
+        time.sleep(0.05)
+    try:
+        proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:  # pragma: no cover
+        pass
+    end = time.monotonic() + 5  # SIGKILL is not instant
+    while any(_alive(p) for p in procs) and time.monotonic() < end:
+        time.sleep(0.05)
+    return sorted(pids)
+
+
+def _alive(p) -> bool:
+    try:
+        import psutil
+
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except Exception:
+        return False
+
+
+def _children(p) -> list:
+    try:
+        return p.children(recursive=True)
+    except Exception:
+        return []
+
+
+class _DeferSignals:
+    """Within the block, Ctrl-C / SIGTERM / SIGHUP are recorded instead of interrupting the cleanup;
+    the first one is raised (as KeyboardInterrupt) when the block ends. Main thread only."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+    def __enter__(self):
+        self.received: list[int] = []
+        self.previous = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self.previous[sig] = signal.signal(sig, lambda signum, frame: self.received.append(signum))
+        return self
+
+    def __exit__(self, *exc):
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+        if self.received and exc[0] is None:
+            raise _Terminated(self.received[0]) if self.received[0] != signal.SIGINT else KeyboardInterrupt()
+
+
+_PDEATHSIG = ("import ctypes, os, sys\n"
+              "parent = int(sys.argv[1])\n"
+              "ctypes.CDLL(None, use_errno=True).prctl(1, 15)  # PR_SET_PDEATHSIG = SIGTERM\n"
+              "if os.getppid() != parent:\n    sys.exit(1)  # the launcher died before prctl\n"
+              "os.execv(sys.argv[2], sys.argv[2:])\n")
+
+
+def _die_with_parent(cmd: list[str]) -> list[str]:
+    """``cmd`` behind a tiny trampoline that sets PR_SET_PDEATHSIG (Linux, main thread only: the
+    signal follows the *thread* that forked), so the SuperLink gets SIGTERM if this process is killed
+    without running its cleanup. No ``preexec_fn`` (not safe with threads)."""
+    if not sys.platform.startswith("linux") or threading.current_thread() is not threading.main_thread():
+        return cmd
+    exe = cmd[0] if os.path.isabs(cmd[0]) else (shutil.which(cmd[0]) or cmd[0])
+    return [sys.executable, "-c", _PDEATHSIG, str(os.getpid()), exe, *cmd[1:]]
+
+
+def _superlink_command(port: int, env: dict[str, str]) -> list[str]:
+    cmd = [_superlink_exe(), "--insecure", "--simulation", "--isolation", "subprocess",
+           "--host", "127.0.0.1", "--port", str(port), "--database", ":flwr-in-memory:"]
+    if env.get("FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION", "").lower() in ("1", "true", "yes"):
+        cmd.append("--disable-runtime-dependency-installation")
+    return cmd
+
+
+_NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def _health(port: int) -> bool:
+    try:
+        with _NO_PROXY.open(f"http://127.0.0.1:{port}/health", timeout=1.0) as resp:
+            return 200 <= resp.status < 300
+    except (OSError, urllib.error.URLError, ValueError):
+        return False
+
+
+class LocalSuperLink:
+    """A simulation SuperLink owned by this process (see the module docstring)."""
+
+    def __init__(self, flwr_home: str | Path | None, port: int | None = None, *, verbose: bool = False) -> None:
+        self.home = _home(flwr_home)
+        self.requested_port = port
+        self.port: int = port or 0
+        self.verbose = verbose
+        self.proc: subprocess.Popen | None = None
+        self.run_dir: Path | None = None
+        self.log_path: Path | None = None
+        self.env: dict[str, str] = {}
+        self.cli_env: dict[str, str] = {}
+        self._log = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def start(self, timeout: float = SUPERLINK_START_TIMEOUT) -> "LocalSuperLink":
+        attempts = 1 if self.requested_port else 3  # a free port can be taken between probe and bind
+        for attempt in range(attempts):
+            self.port = self.requested_port or free_port()
+            if _health(self.port):
+                raise LauncherError(
+                    f"port {self.port} already serves a SuperLink this process did not start (left over from "
+                    "an earlier `flwr run` with the `:local:` connection?); stop it or choose another port")
+            try:
+                self._spawn(timeout)
+                return self
+            except LauncherError:
+                if attempt == attempts - 1 or not self._port_was_taken():
+                    raise
+                shutil.rmtree(self.run_dir, ignore_errors=True)
+        return self  # pragma: no cover
+
+    def _port_was_taken(self) -> bool:
+        text = self.log_path.read_text(errors="replace") if self.log_path and self.log_path.exists() else ""
+        return "address already in use" in text.lower()
+
+    def _spawn(self, timeout: float) -> None:
+        self.env = output_env(flwr_env(self.home, self.port), self.verbose)
+        self.run_dir = self.home / "fedpower-run" / f"{os.getpid()}-{self.port}"
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        cli_home = self.run_dir / "cli"
+        cli_home.mkdir(exist_ok=True)
+        (cli_home / "config.toml").write_text(
+            f'# written by fedpower-run for its own SuperLink (pid {os.getpid()}); removed when it stops\n'
+            f'[superlink]\ndefault = "{CONNECTION}"\n\n[superlink.{CONNECTION}]\n'
+            f'address = "{self.address}"\ninsecure = true\n')
+        self.cli_env = {**self.env, "FLWR_HOME": str(cli_home)}
+        self.log_path = self.run_dir / "superlink.log"
+        self._log = open(self.log_path, "ab")
+        cmd = _die_with_parent(_superlink_command(self.port, self.env))
+        # The cwd is inherited: the ServerApp resolves a relative output-dir against it.
+        self.proc = subprocess.Popen(cmd, env=self.env, stdin=subprocess.DEVNULL, stdout=self._log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        _STARTED.append(self)
+        deadline = time.monotonic() + timeout
+        while not _health(self.port):
+            if self.proc.poll() is not None:
+                code = self.proc.returncode
+                self.stop(keep_logs=True)
+                raise LauncherError(f"flower-superlink exited with code {code} at start; see {self.log_path}")
+            if time.monotonic() > deadline:
+                self.stop(keep_logs=True)
+                raise LauncherError(f"flower-superlink did not answer on {self.address} within {timeout:.0f} s; "
+                                    f"see {self.log_path}")
+            time.sleep(0.1)
+
+    def stop(self, *, keep_logs: bool = False, grace: float | None = None) -> list[int]:
+        """Terminate the SuperLink and every process below it (by PID); remove the private CLI home
+        (and the SuperLink log unless ``keep_logs``). Idempotent."""
+        pids: list[int] = []
+        with _DeferSignals():
+            if self.proc is not None:
+                pids = terminate_tree(self.proc, grace)
+            self._cleanup(keep_logs)
+        return pids
+
+    def _cleanup(self, keep_logs: bool) -> None:
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+        if self in _STARTED:
+            _STARTED.remove(self)
+        if self.run_dir is not None:
+            shutil.rmtree(self.run_dir / "cli", ignore_errors=True)
+            if not keep_logs:
+                shutil.rmtree(self.run_dir, ignore_errors=True)
+                try:
+                    self.run_dir.parent.rmdir()  # only if empty
+                except OSError:
+                    pass
+
+    def __enter__(self) -> "LocalSuperLink":
+        return self.start() if self.proc is None else self
+
+    def __exit__(self, *exc) -> None:
+        self.stop(keep_logs=exc[0] is not None)
+
+
+_STARTED: list[LocalSuperLink] = []  # SuperLinks this process started and has not stopped yet
+
+
+@atexit.register
+def _stop_all_at_exit() -> None:
+    for link in list(_STARTED):
+        link.stop()
+
+
+def _kept_superlink(home: Path, port: int | None) -> LocalSuperLink | None:
+    for link in _STARTED:
+        if link.home == home and (port is None or link.port == port) and link.alive():
+            return link
+    return None
+
+
+def stop_local_superlink(flwr_home: str | Path | None = None) -> list[int]:
+    """Stop the SuperLinks this process started for ``flwr_home`` (default ``$FLWR_HOME`` or
+    ``~/.flwr``) and kept for reuse, with all their processes, by PID. Never touches processes
+    started by anyone else. Returns the PIDs that were signalled."""
+    home = _home(flwr_home)
+    pids: list[int] = []
+    for link in [link for link in _STARTED if link.home == home]:
+        pids += link.stop()
+    return pids
+
+
+# ------------------------------------------------------------------------------------------------
+# Console: known-harmless noise, duplicate log records
+# ------------------------------------------------------------------------------------------------
+
+ANSI_RE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+LEVELS = "DEBUG|INFO|WARNING|ERROR|CRITICAL"
+# Flower's console handler (also used by the fedpower logger): "INFO :      message", optionally
+# prefixed by Ray's "(ClientAppActor pid=123) " and with a timestamp in DEBUG mode.
+CONSOLE_RE = re.compile(rf"^(?P<actor>\(\w+ pid=\d+\)\s?)?(?P<level>{LEVELS})(?: [0-9: ,.-]+)? :\s?(?P<msg>.*)$")
+# The same Flower records a second time through the root logger, which `opacus` configures with
+# logging.basicConfig at import ("11/23/2026 14:27:35:ERROR:Simulation raised an exception").
+ROOT_RE = re.compile(rf"^(?P<actor>\(\w+ pid=\d+\)\s?)?\d\d/\d\d/\d{{4}} \d\d:\d\d:\d\d:(?P<level>{LEVELS}):(?P<msg>.*)$")
+
+# Known-harmless lines hidden unless --verbose: (pattern searched in the line without colours, why).
+# Never add a pattern that could match an ERROR line, a fedpower warning or a traceback.
+NOISE_PATTERNS: list[tuple[re.Pattern, str]] = [(re.compile(p), why) for p, why in [
+    (r"Since flwr 1\.32, default simulated SuperNodes changed from 10 to 2",
+     "Flower notice printed by every run; fedpower-run always passes num-supernodes"),
+    (r"To change federation size, use the following command", "Flower hint; use --supernodes"),
+    (r"\bflwr federation simulation-config \S+ <superlink> --num-supernodes <N>", "second line of that hint"),
+    (r"^Successfully installed \S+ to \S+", "the FAB unpacked into $FLWR_HOME/apps for every run"),
+    (r"WARNING :\s+Manually terminating ClientAppActor", "Ray actors stopped at the end of every run"),
+    (r"FutureWarning: `is_gradient_checkpointing` is deprecated",
+     "transformers deprecation triggered inside PEFT (not our code)"),
+    (r"FutureWarning: Tip: In future versions of Ray, Ray will no longer override accelerator",
+     "Ray notice printed by every Ray start (fedpower sets the GPU fraction explicitly)"),
+    (r"^(\(\w+ pid=\d+\)\s?)?Loading weights:\s+\d+%\|", "transformers progress bar (one per process)"),
+]]
+_WARN_CONTINUATION = re.compile(r"^(\(\w+ pid=\d+\)\s?)?\s+warnings\.warn\($")
+
+
+class ConsoleFilter:
+    """Decides, line by line, what of ``flwr run --stream``'s output reaches the console.
+
+    Hidden: lines matching :data:`NOISE_PATTERNS` (and the ``warnings.warn(`` line after a hidden
+    warning); Flower DEBUG records repeated by the root logger; a root-logger repeat of a record
+    already shown, together with its continuation lines (the repeated traceback) - only lines equal
+    to the ones already shown are dropped; empty log records. ERROR and CRITICAL records, tracebacks
+    and anything unknown always pass.
+    """
+
+    MAX_REMEMBERED = 500
+
+    def __init__(self) -> None:
+        self._blocks: collections.OrderedDict[str, list[str]] = collections.OrderedDict()
+        self._current: list[str] | None = None
+        self._expect: collections.deque[str] | None = None
+        self._hid_warning = False
+
+    def keep(self, line: str) -> bool:
+        plain = ANSI_RE.sub("", line.rstrip("\r\n"))
+        hid_warning, self._hid_warning = self._hid_warning, False
+        if self._expect is not None:  # inside a repeated block: drop what was already shown
+            if self._expect and plain == self._expect[0]:
+                self._expect.popleft()
+                return False
+            self._expect = None
+        if m := ROOT_RE.match(plain):
+            self._current = None
+            msg = m["msg"].strip()
+            if m["level"] == "DEBUG":
+                return False
+            if msg in self._blocks:
+                self._expect = collections.deque(self._blocks[msg])
+                return False
+            return not (m["level"] not in ("ERROR", "CRITICAL") and self._noise(plain))
+        if m := CONSOLE_RE.match(plain):
+            msg = m["msg"].strip()
+            self._current = self._remember(msg)
+            if m["level"] in ("ERROR", "CRITICAL"):
+                return True
+            return bool(msg) and not self._noise(plain)
+        if self._current is not None and len(self._current) < 200:
+            self._current.append(plain)
+        if hid_warning and _WARN_CONTINUATION.match(plain):
+            return False
+        if self._noise(plain):
+            self._hid_warning = "Warning:" in plain
+            return False
+        if re.fullmatch(r"\(\w+ pid=\d+\)\s*", plain):  # Ray's prefix before a progress bar
+            return False
+        return True
+
+    def _remember(self, msg: str) -> list[str]:
+        block: list[str] = []
+        self._blocks[msg] = block
+        self._blocks.move_to_end(msg)
+        while len(self._blocks) > self.MAX_REMEMBERED:
+            self._blocks.popitem(last=False)
+        return block
+
+    @staticmethod
+    def _noise(plain: str) -> bool:
+        return any(p.search(plain) for p, _ in NOISE_PATTERNS)
+
+
+def filter_lines(lines: Iterable[str]) -> list[str]:
+    """The lines :class:`ConsoleFilter` lets through (for tests and post-processing)."""
+    f = ConsoleFilter()
+    return [line for line in lines if f.keep(line)]
+
+
+_EXC_LINE = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?(?P<name>[A-Z]\w*(?:Error|Exception|Exhausted|Interrupt|Exit))"
+                       r"(?::\s*(?P<msg>.*))?$")
+
+
+def last_exception_line(output: str) -> str | None:
+    """The last ``SomeError: message`` line of a traceback in ``output`` (module path removed)."""
+    found = None
+    for line in output.splitlines():
+        plain = ANSI_RE.sub("", line).strip()
+        plain = re.sub(r"^\(\w+ pid=\d+\)\s*", "", plain)
+        if (m := _EXC_LINE.match(plain)) and m["msg"] is not None:
+            found = f"{m['name']}: {m['msg']}"
+    return found
+
+
+# ------------------------------------------------------------------------------------------------
+# flwr run
+# ------------------------------------------------------------------------------------------------
+
+def run_status(run_id: str, env: dict[str, str], connection: str | None = None) -> str:
     """Status of a run from ``flwr ls --run-id ... --format json`` (e.g. finished:completed)."""
-    out = subprocess.run([_flwr(), "ls", "--run-id", str(run_id), "--format", "json"], env=env,
-                         capture_output=True, text=True, timeout=120)
+    cmd = [_flwr(), "ls", *([connection] if connection else []), "--run-id", str(run_id), "--format", "json"]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     try:
         runs = json.loads(out.stdout).get("runs", [])
     except json.JSONDecodeError:
@@ -116,6 +641,14 @@ def run_status(run_id: str, env: dict[str, str]) -> str:
         if str(run.get("run-id")) == str(run_id):
             return str(run.get("status"))
     return "unknown (run not listed)"
+
+
+def _stop_run(run_id: str, env: dict[str, str]) -> None:
+    try:
+        subprocess.run([_flwr(), "stop", str(run_id), CONNECTION], env=env, capture_output=True, text=True,
+                       timeout=60, check=False)
+    except (OSError, subprocess.SubprocessError):
+        pass
 
 
 def run_flwr(
@@ -130,10 +663,18 @@ def run_flwr(
     superlink_port: int | None = None,
     echo: bool = True,
     timeout: float | None = None,
+    verbose: bool = False,
+    keep_superlink: bool = True,
 ) -> RunOutcome:
-    """Run the app with ``flwr run --stream`` and return its real status."""
-    env = flwr_env(flwr_home, superlink_port)
-    cmd = [_flwr(), "run", str(app_dir), "--stream",
+    """Run the app with ``flwr run --stream`` on a SuperLink this process owns; return its real status.
+
+    The SuperLink listens on ``superlink_port`` (default: a free port) with ``FLWR_HOME = flwr_home``.
+    With ``keep_superlink`` (default) it is reused by the next call for the same home and stopped by
+    :func:`stop_local_superlink` or at exit; otherwise it is stopped (by PID, with everything it
+    started) before returning - also when this raises or is interrupted. ``echo`` prints the output
+    through :class:`ConsoleFilter` (everything with ``verbose``); ``RunOutcome.output`` is unfiltered.
+    """
+    cmd = [_flwr(), "run", str(app_dir), CONNECTION, "--stream",
            "--federation-config",
            f"num-supernodes={num_supernodes} client-resources-num-cpus={_num(cpus_per_client)} "
            f"client-resources-num-gpus={_num(gpus_per_client)}"]
@@ -142,14 +683,40 @@ def run_flwr(
     if merged:
         cmd += ["--run-config", run_config_arg(merged)]
     t0 = time.time()
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+    link = _kept_superlink(_home(flwr_home), superlink_port) if keep_superlink else None
+    started_here = link is None
+    try:
+        if link is None:
+            link = LocalSuperLink(flwr_home, superlink_port, verbose=verbose).start()
+            if echo and verbose:
+                print(f"fedpower-run: SuperLink pid {link.pid} on {link.address} (log {link.log_path})", flush=True)
+        run_id, returncode, output = _stream(cmd, link.cli_env, echo=echo, verbose=verbose, timeout=timeout, t0=t0)
+        status = run_status(run_id, link.cli_env, CONNECTION) if run_id else "not-started"
+        if run_id and not status.startswith("finished"):  # timed out or interrupted: do not leave it running
+            _stop_run(run_id, link.cli_env)
+            status = run_status(run_id, link.cli_env, CONNECTION)
+        return RunOutcome(run_id, status, returncode, time.time() - t0, output)
+    finally:
+        if link is not None and (started_here and not keep_superlink or not link.alive()):
+            pids = link.stop()
+            if echo and verbose:
+                print(f"fedpower-run: stopped SuperLink pid {link.pid} and {len(pids) - 1} process(es) it started",
+                      flush=True)
+
+
+def _stream(cmd: list[str], env: dict[str, str], *, echo: bool, verbose: bool, timeout: float | None,
+            t0: float) -> tuple[str | None, int, str]:
+    """Run ``flwr run --stream``, echo its (filtered) output; (run id, exit code, full output)."""
+    proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, bufsize=1, errors="replace")
+    console = ConsoleFilter()
     lines: list[str] = []
     run_id = None
     try:
         assert proc.stdout is not None
         for line in proc.stdout:
             lines.append(line)
-            if echo:
+            if echo and (verbose or console.keep(line)):
                 sys.stdout.write(line)
                 sys.stdout.flush()
             if run_id is None and (m := re.search(r"started run (\d+)", line)):
@@ -160,16 +727,18 @@ def run_flwr(
         proc.wait(timeout=60)
     finally:
         if proc.poll() is None:
-            proc.kill()
-    status = run_status(run_id, env) if run_id else "not-started"
-    return RunOutcome(run_id, status, proc.returncode or 0, time.time() - t0, "".join(lines))
+            proc.terminate()
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    return run_id, proc.returncode or 0, "".join(lines)
 
 
-def stop_local_superlink(flwr_home: str | Path | None = None) -> None:
-    """Stop the managed local SuperLink started for ``flwr_home`` (it runs detached)."""
-    home = str(Path(flwr_home or os.environ.get("FLWR_HOME") or Path.home() / ".flwr").expanduser().resolve())
-    subprocess.run(["pkill", "-f", f"flower-superlink.*--simulation.*{re.escape(home)}"], check=False)
-
+# ------------------------------------------------------------------------------------------------
+# CLI
+# ------------------------------------------------------------------------------------------------
 
 def parse_set(items) -> dict[str, Any]:
     """``--set key=value`` items as a dict; values are TOML, a bare word is taken as a string."""
@@ -187,8 +756,85 @@ def parse_set(items) -> dict[str, Any]:
     return out
 
 
+def check_launch(overrides: dict[str, Any], *, app_dir: str | Path = PROJECT_ROOT, num_supernodes: int = 6,
+                 cpus_per_client: float = 1, gpus_per_client: float = 0.0,
+                 flwr_home: str | Path | None = None) -> RunConfig:
+    """Every check that needs no data, before anything starts: the merged run config as the ServerApp
+    will validate it, and its consistency with the simulation flags. Raises ConfigError."""
+    pyproject = Path(app_dir) / "pyproject.toml"
+    cfg = validate_overrides(overrides, pyproject=pyproject if pyproject.exists() else None)
+    if num_supernodes < 1:
+        raise ConfigError(f"--supernodes must be >= 1, got {num_supernodes}")
+    if num_supernodes < cfg["strategy.min-nodes"]:
+        raise ConfigError(f"config key 'strategy.min-nodes' = {cfg['strategy.min-nodes']} exceeds --supernodes "
+                          f"{num_supernodes}: the run would wait strategy.round-timeout for nodes that never come")
+    if cpus_per_client <= 0:
+        raise ConfigError(f"--cpus-per-client must be > 0, got {cpus_per_client:g}")
+    if gpus_per_client < 0:
+        raise ConfigError(f"--gpus-per-client must be >= 0, got {gpus_per_client:g}")
+    data_dir = cfg["task.data-dir"].strip()
+    if data_dir and not Path(data_dir).expanduser().exists():
+        raise ConfigError(f"config key 'task.data-dir' = {data_dir!r} does not exist (relative paths are resolved "
+                          f"against the current directory {Path.cwd()})")
+    if cfg["device"] == "cuda" and gpus_per_client == 0:
+        raise ConfigError("config key 'device' = 'cuda' needs --gpus-per-client > 0 (Ray hides the GPUs from "
+                          "ClientApps that reserve none)")
+    home, app = _home(flwr_home), Path(app_dir).expanduser().resolve()
+    if home == app or app in home.parents:
+        raise ConfigError(f"the Flower home {home} is inside the app directory {app}: `flwr run` would package the "
+                          "installed apps into the FAB; use --flwr-home outside it")
+    return cfg
+
+
+def _become_subreaper() -> bool:
+    """Linux: orphaned descendants (e.g. ``flwr-simulation`` once its SuperExec is gone) are
+    re-parented to this process instead of PID 1, so :func:`_stop_orphans` can stop and reap them.
+    Only for the ``fedpower-run`` process itself, not when used as a library."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        import ctypes
+
+        return ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER
+    except (OSError, AttributeError):
+        return False
+
+
+def _stop_orphans(grace: float | None = None) -> None:
+    """Terminate what is left among this process's own children (descendants re-parented to it as
+    subreaper), by PID, then reap every exited child."""
+    try:
+        import psutil
+
+        left = [p for p in psutil.Process().children(recursive=True) if _alive(p)]
+        for p in left:
+            p.terminate()
+        _, alive = psutil.wait_procs(left, timeout=STOP_GRACE_SECONDS if grace is None else grace)
+        for p in alive:
+            p.kill()
+    except Exception:
+        pass
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            break
+        if pid == 0:
+            break
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM / SIGHUP, handled like Ctrl-C so the ``finally`` blocks stop the SuperLink."""
+
+
+def _on_signal(signum, frame):  # noqa: ARG001
+    raise _Terminated(signum)
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="fedpower-run", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="fedpower-run", description=__doc__.split("\n\n")[0],
+                                epilog="Exit codes: 0 run completed, 1 run failed, 2 bad arguments/config or "
+                                       "launcher error, 130 interrupted.")
     p.add_argument("--app", default=str(PROJECT_ROOT), help="app directory (default: this project)")
     p.add_argument("--preset", help="a conf/*.toml preset")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a run-config key (TOML value)")
@@ -196,24 +842,53 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cpus-per-client", type=float, default=1)
     p.add_argument("--gpus-per-client", type=float, default=0.0, help="fraction of a GPU per ClientApp (e.g. 0.25)")
     p.add_argument("--flwr-home", default=os.environ.get("FLWR_HOME"), help="Flower home (default ~/.flwr)")
-    p.add_argument("--stop-superlink", action="store_true", help="stop the managed local SuperLink afterwards")
+    p.add_argument("--verbose", action="store_true",
+                   help="show all output (Flower DEBUG log, Ray and library warnings, progress bars)")
     args = p.parse_args(argv)
+
+    # 1. Everything that needs no data, before any process starts.
     try:
-        overrides = parse_set(args.set)
-        if args.preset:
-            load_preset(args.preset)  # fail early on a bad file
-        run_config_arg(overrides)
-        outcome = run_flwr(args.app, overrides, preset=args.preset, num_supernodes=args.supernodes,
+        overrides = {**(load_preset(args.preset) if args.preset else {}), **parse_set(args.set)}
+        check_launch(overrides, app_dir=args.app, num_supernodes=args.supernodes,
+                     cpus_per_client=args.cpus_per_client, gpus_per_client=args.gpus_per_client,
+                     flwr_home=args.flwr_home)
+    except ConfigError as exc:
+        print(f"fedpower-run: error: {exc}", file=sys.stderr)
+        return 2
+    except (ValueError, OSError) as exc:  # unreadable or malformed preset
+        print(f"fedpower-run: error: preset {args.preset}: {exc}", file=sys.stderr)
+        return 2
+
+    # 2. The run, on a SuperLink stopped (by PID) whatever happens.
+    subreaper = _become_subreaper()
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            previous[sig] = signal.signal(sig, _on_signal)
+    try:
+        outcome = run_flwr(args.app, overrides, num_supernodes=args.supernodes,
                            cpus_per_client=args.cpus_per_client, gpus_per_client=args.gpus_per_client,
-                           flwr_home=args.flwr_home)
+                           flwr_home=args.flwr_home, verbose=args.verbose, keep_superlink=False)
+    except KeyboardInterrupt as exc:
+        what = "terminated" if isinstance(exc, _Terminated) else "interrupted"
+        print(f"\nfedpower-run: {what}; the SuperLink and every process it started were stopped", file=sys.stderr)
+        return 130
     except (ConfigError, RuntimeError, OSError) as exc:
         print(f"fedpower-run: error: {exc}", file=sys.stderr)
         return 2
     finally:
-        if args.stop_superlink:
-            stop_local_superlink(args.flwr_home)
-    print(f"\nfedpower-run: run {outcome.run_id} status {outcome.status} after {outcome.seconds:.0f} s")
-    return 0 if outcome.ok else 1
+        if subreaper:
+            with _DeferSignals():
+                _stop_orphans()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if outcome.ok:
+        print(f"\nfedpower-run: run {outcome.run_id} completed in {outcome.seconds:.0f} s")
+        return 0
+    error = outcome.error_summary()
+    print(f"\nfedpower-run: error: run {outcome.run_id} {outcome.status} after {outcome.seconds:.0f} s"
+          + (f": {error}" if error else ""), file=sys.stderr)
+    return 1
 
 
 if __name__ == "__main__":  # pragma: no cover
