@@ -21,7 +21,7 @@ from pathlib import Path
 
 from .common import Row, environment, markdown_table, resolve_device, table
 
-SUITES = ("server", "e2e", "framework", "client")
+SUITES = ("server", "e2e", "framework", "client", "dp-sgd")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,6 +94,13 @@ def main(argv: list[str] | None = None) -> int:
         r, d = client.run(device=device, steps=args.client_steps, repeats=repeats, log=log)
         rows += r
         out["suites"]["client"] = d
+        save(r)
+    if "dp-sgd" in only:
+        from . import dp_sgd
+
+        r, d = dp_sgd.run(device=device, steps=args.client_steps, repeats=repeats, log=log)
+        rows += r
+        out["suites"]["dp-sgd"] = d
         save(r)
     if only & {"e2e", "framework"}:
         from . import e2e

@@ -628,8 +628,9 @@ def cell_metrics(data: dict[str, Any]) -> dict[str, Any]:
     out["wall_seconds"] = tot.get("wall_seconds")
     walls = [r.get("wall_seconds") for r in rounds if r.get("wall_seconds") is not None]
     out["train_seconds"] = walls[-1] if walls else None
-    calib = ((data.get("privacy") or {}).get("calibration") or {})
-    out["z"] = calib.get("z")
+    privacy = data.get("privacy") or {}
+    # server-side mechanisms: the effective multiplier z; DP-SGD on the silos: its sigma
+    out["z"] = (privacy.get("calibration") or {}).get("z", privacy.get("noise_multiplier"))
     return out
 
 

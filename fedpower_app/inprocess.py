@@ -20,11 +20,12 @@ class InProcessGrid(Grid):
 
     ``handlers`` may override the reply of given node ids (to simulate faulty clients).
     ``node_ids`` (default 100, 101, ...) gives partition i to ``node_ids[i]``; real runtimes draw
-    node ids at random, so tests pass other ids to check nothing depends on them.
+    node ids at random, so tests pass other ids to check nothing depends on them. ``node_config``
+    adds keys to every node's config (e.g. a silo's own ``dp-max-epsilon``).
     """
 
     def __init__(self, client_app, num_nodes: int, run_config: dict | None = None, handlers: dict | None = None,
-                 node_ids: list[int] | None = None):
+                 node_ids: list[int] | None = None, node_config: dict | None = None):
         TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 1, 1
         self._app = client_app
         self._run = Run.create_empty(run_id=1)
@@ -32,7 +33,8 @@ class InProcessGrid(Grid):
         if len(self.node_ids) != num_nodes or len(set(self.node_ids)) != num_nodes:
             raise ValueError(f"need {num_nodes} distinct node ids, got {self.node_ids}")
         self._contexts = {
-            nid: Context(run_id=1, node_id=nid, node_config={"partition-id": i, "num-partitions": num_nodes},
+            nid: Context(run_id=1, node_id=nid,
+                         node_config={"partition-id": i, "num-partitions": num_nodes, **(node_config or {})},
                          state=RecordDict(), run_config=dict(run_config or {}))
             for i, nid in enumerate(self.node_ids)
         }

@@ -96,8 +96,12 @@ def _seeded_init_missing(model, missing: list[str], seed: int) -> None:
                 p.copy_(torch.randn(p.shape, generator=gen) * std)
 
 
-def build_model(cfg: RunConfig, num_labels: int):
-    """A fresh PEFT LoRA model (not cached): seeded head and seeded LoRA initialisation."""
+def build_model(cfg: RunConfig, num_labels: int, device: torch.device | str | None = None):
+    """A fresh PEFT LoRA model (not cached): seeded head and seeded LoRA initialisation.
+
+    The base model is on ``device`` (default: the configured one) *before* ``get_peft_model``:
+    moving it afterwards can leave Opacus' hooks and the optimizer on stale parameters, and LoRA
+    weights then silently never move under DP-SGD (opacus#820, peft#3409)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForSequenceClassification
     from transformers.utils import logging as hf_logging
@@ -112,6 +116,7 @@ def build_model(cfg: RunConfig, num_labels: int):
     finally:
         hf_logging.set_verbosity(verbosity)
     _seeded_init_missing(base, list(info.get("missing_keys", [])), cfg["seed"])
+    base = base.to(resolve_device(cfg["device"]) if device is None else torch.device(device))
     model_type = base.config.model_type
     targets = target_modules_for(model_type, cfg.target_modules)
     head = HEAD_MODULES.get(model_type, ["classifier"]) if cfg["model.train-head"] else None
@@ -149,7 +154,7 @@ def cached_model(cfg: RunConfig, num_labels: int):
         _INITIAL_STATES.clear()
         model = build_model(cfg, num_labels)
         _INITIAL_STATES[key] = adapter_state(model)
-        _MODELS[key] = model.to(resolve_device(cfg["device"]))
+        _MODELS[key] = model
     return _MODELS[key]
 
 

@@ -45,7 +45,12 @@ def test_flwr_run_completes_and_writes_results(strategy, flwr_home, tmp_path):
         assert row["epsilon"] is not None and row["epsilon"] > 0
         assert row["aggregated"] <= row["sampled"] <= 3
     assert results["clients"]["count"] == 3
-    assert results["privacy"]["calibration"]["is_valid_guarantee"] is True
+    # The default: sample-level DP by DP-SGD on the silos, accounted per silo.
+    assert results["privacy"]["noise_at"] == "silo" and results["privacy"]["is_valid_guarantee"] is True
+    final = results["privacy_final"]
+    assert len(final["silos"]) == 3 and all(row["rounds_trained"] >= 1 for row in final["silos"])
+    assert final["epsilon_spent"] == max(row["epsilon"] for row in final["silos"])
+    assert all(row["noise_stds"] == [0.0, 0.0] for row in results["rounds"])  # no server noise
     eps = [row["epsilon"] for row in results["rounds"]]
     assert eps == sorted(eps) and eps[-1] <= results["config"]["dp.epsilon"] * (1 + 1e-6)
 

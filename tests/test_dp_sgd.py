@@ -1,0 +1,362 @@
+"""DP-SGD on the silos: Opacus per-example gradients through the production model factory, the
+clipping and noise it applies, the per-silo accounting, and the silo's own refusals."""
+
+import json
+import math
+import shutil
+
+import pytest
+import torch
+
+from fedpower_app import data as D
+from fedpower_app import model as M
+from fedpower_app.config import parse_config
+from fedpower_app.dp_sgd import DPSGDParams, dp_sgd_train_local, grad_sample_module
+from fedpower_app.silo_ledger import (
+    SiloLedger,
+    SiloRefusal,
+    calibrate_noise_multiplier,
+    dp_sgd_epsilon,
+    silo_admits,
+)
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    """A 2-layer BERT (hidden 64, no dropout) with MiniLM's tokenizer, saved as a local model."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    path = tmp_path_factory.mktemp("tiny-bert")
+    config = BertConfig(vocab_size=30522, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=128, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                        max_position_embeddings=64)
+    torch.manual_seed(0)
+    BertForSequenceClassification(config).bert.save_pretrained(str(path))  # no head: fedpower seeds it
+    M.load_tokenizer("minilm").save_pretrained(str(path))
+    return str(path)
+
+
+def tiny_cfg(model_dir, **overrides):
+    return parse_config({"model.name": model_dir, "lora.rank": 4, "lora.dropout": 0.0, "task.max-length": 16,
+                         "task.synthetic-train-size": 64, "task.synthetic-eval-size": 16, **overrides})
+
+
+def tiny(model_dir, *, double=False, **overrides):
+    cfg = tiny_cfg(model_dir, **overrides)
+    model = M.build_model(cfg, 2)
+    if double:
+        model = model.double()
+    shard = D.client_shard(cfg, M.load_tokenizer(model_dir), 0, 1)
+    return cfg, model, shard
+
+
+def gens(seed=0):
+    return torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed + 1)
+
+
+@pytest.mark.parametrize("train_head", [False, True])
+def test_lora_weights_move_in_every_round_with_in_place_loads(tiny_model_dir, train_head):
+    # opacus#820 / peft#3409: with the wrong order LoRA weights silently never move.
+    cfg, model, shard = tiny(tiny_model_dir, **{"model.train-head": train_head})
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert any("lora_A" in n for n in trainable) and any("lora_B" in n for n in trainable)
+    assert any("classifier" in n for n in trainable) == train_head
+    params = DPSGDParams(noise_multiplier=1.0, clip=1.0, batch_size=16, local_steps=2)
+    state = M.adapter_state(model)
+    for round_index in range(2):
+        M.load_adapter_state(model, state)  # in place, as the ClientApp does every round
+        sampling, noise = gens(round_index)
+        dp_sgd_train_local(model, shard, params=params, lr=1e-2, sampling_generator=sampling,
+                           noise_generator=noise, device=CPU)
+        new = M.adapter_state(model)
+        assert new.keys() == state.keys()
+        unchanged = [k for k in state if torch.equal(new[k], state[k])]
+        assert not unchanged, f"round {round_index}: tensors did not move: {unchanged}"
+        state = new
+
+
+def test_every_trainable_parameter_gets_a_per_example_gradient(tiny_model_dir):
+    cfg, model, shard = tiny(tiny_model_dir, **{"model.train-head": True})
+    gsm = grad_sample_module(model)
+    gsm.enable_hooks()
+    gsm.train()  # Opacus samples gradients only in training mode
+    try:
+        batch = shard.batch(torch.arange(5), CPU)
+        gsm(**batch).loss.backward()
+        for name, p in model.named_parameters():
+            if p.requires_grad:
+                assert getattr(p, "grad_sample", None) is not None, name
+                assert p.grad_sample.shape == (5, *p.shape), name
+    finally:
+        for p in model.parameters():
+            p.grad, p.grad_sample = None, None
+        gsm.disable_hooks()
+
+
+def test_ffa_lora_trainable_set_gets_its_own_wrapper(tiny_model_dir):
+    _, model, shard = tiny(tiny_model_dir)
+    M.set_trainable(model, train_a=False, train_b=True)
+    before = M.adapter_state(model)
+    sampling, noise = gens()
+    dp_sgd_train_local(model, shard, params=DPSGDParams(1.0, 1.0, 16, 2), lr=1e-2, sampling_generator=sampling,
+                       noise_generator=noise, device=CPU)
+    after = M.adapter_state(model)
+    for k in before:
+        assert torch.equal(before[k], after[k]) == k.endswith(M.LORA_A), k
+
+
+def test_noise_free_unclipped_dp_step_equals_a_plain_mean_gradient_step(tiny_model_dir):
+    # sigma = 0, huge C, q = 1 (b = n): the DP step is exactly SGD on the batch's mean gradient.
+    cfg, model, shard = tiny(tiny_model_dir, **{"model.train-head": True})
+    n = len(shard)
+    start = M.adapter_state(model)
+    sampling, noise = gens()
+    dp_sgd_train_local(model, shard, params=DPSGDParams(0.0, 1e9, n, 1), lr=0.1, sampling_generator=sampling,
+                       noise_generator=noise, device=CPU, optimizer="sgd")
+    dp = M.adapter_state(model)
+
+    _, plain_model, _ = tiny(tiny_model_dir, **{"model.train-head": True})
+    M.load_adapter_state(plain_model, start)
+    plain_model.train()
+    params = [p for p in plain_model.parameters() if p.requires_grad]
+    plain_model(**shard.batch(torch.arange(n), CPU)).loss.backward()
+    with torch.no_grad():
+        for p in params:
+            p -= 0.1 * p.grad
+    plain = M.adapter_state(plain_model)
+    moved = 0.0
+    for k in start:
+        torch.testing.assert_close(dp[k], plain[k], rtol=0, atol=1e-5)
+        moved = max(moved, float((dp[k] - start[k]).abs().max()))
+    assert moved > 1e-4  # the step did something
+
+
+def test_clipping_bounds_each_examples_contribution_float64(tiny_model_dir):
+    # One example (b = n = 1), SGD lr 1, no noise: the update is -clip(g) / b, so ||update|| <= C,
+    # and with a clip above ||g|| the update is the whole gradient.
+    cfg, model, shard = tiny(tiny_model_dir, double=True, **{"model.train-head": True})
+    one = D.TokenizedSplit(shard.input_ids[:1], shard.attention_mask[:1], shard.labels[:1],
+                           None if shard.token_type_ids is None else shard.token_type_ids[:1])
+    start = M.adapter_state(model)  # float32 copies of float64 weights: compare in float64 below
+
+    def update_norm(clip):
+        M.load_adapter_state(model, {k: v.double() for k, v in start.items()})
+        before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+        sampling, noise = gens()
+        dp_sgd_train_local(model, one, params=DPSGDParams(0.0, clip, 1, 1), lr=1.0, sampling_generator=sampling,
+                           noise_generator=noise, device=CPU, optimizer="sgd")
+        sq = sum(float(((p.detach() - before[n]).double() ** 2).sum())
+                 for n, p in model.named_parameters() if p.requires_grad)
+        return math.sqrt(sq)
+
+    full = update_norm(1e9)
+    assert full > 1e-3
+    for clip in (full / 10, full / 2):
+        assert update_norm(clip) <= clip * (1 + 1e-9)
+        assert update_norm(clip) == pytest.approx(clip, rel=1e-5)  # the bound is attained
+    assert update_norm(full * 2) == pytest.approx(full, rel=1e-9)  # a loose clip changes nothing
+
+
+def test_noise_std_matches_sigma_times_clip(tiny_model_dir):
+    # SGD lr 1: update * b = -(sum of clipped grads + N(0, (sigma C)^2)). With C huge relative to the
+    # gradients the update is essentially pure noise: its std over all entries must be sigma * C.
+    cfg, model, shard = tiny(tiny_model_dir, **{"model.train-head": True, "lora.rank": 16})
+    before = torch.cat([p.detach().flatten().clone() for p in model.parameters() if p.requires_grad])
+    sigma, clip, b = 0.7, 1000.0, 8
+    sampling, noise = gens(3)
+    dp_sgd_train_local(model, shard, params=DPSGDParams(sigma, clip, b, 1), lr=1.0, sampling_generator=sampling,
+                       noise_generator=noise, device=CPU, optimizer="sgd")
+    after = torch.cat([p.detach().flatten() for p in model.parameters() if p.requires_grad])
+    scaled = ((after - before) * b).double()
+    assert scaled.numel() > 4000
+    assert float(scaled.std()) == pytest.approx(sigma * clip, rel=0.05)
+    assert abs(float(scaled.mean())) < 4 * sigma * clip / math.sqrt(scaled.numel())
+
+
+def test_seeded_dp_sgd_repeats_and_hardened_differs(tiny_model_dir):
+    cfg, model, shard = tiny(tiny_model_dir)
+    start = M.adapter_state(model)
+
+    def once(secure=False, noise_seed=1):
+        M.load_adapter_state(model, start)
+        dp_sgd_train_local(model, shard, params=DPSGDParams(1.0, 1.0, 16, 2), lr=1e-2,
+                           sampling_generator=torch.Generator().manual_seed(0),
+                           noise_generator=torch.Generator().manual_seed(noise_seed), device=CPU, secure_noise=secure)
+        return M.adapter_state(model)
+
+    a, b, c = once(), once(), once(noise_seed=2)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert any(not torch.equal(a[k], c[k]) for k in a)
+
+
+def test_invalid_parameters_are_rejected(tiny_model_dir):
+    _, model, shard = tiny(tiny_model_dir)
+    for bad in (DPSGDParams(-1.0, 1.0, 8, 1), DPSGDParams(1.0, 0.0, 8, 1), DPSGDParams(1.0, math.inf, 8, 1),
+                DPSGDParams(1.0, 1.0, 0, 1), DPSGDParams(1.0, 1.0, 8, 0), DPSGDParams(math.nan, 1.0, 8, 1)):
+        with pytest.raises(ValueError, match="invalid DP-SGD parameters"):
+            dp_sgd_train_local(model, shard, params=bad, lr=1e-2, sampling_generator=torch.Generator(),
+                               noise_generator=None, device=CPU)
+
+
+# ------------------------------------------------------------------------------------------
+# Accounting
+# ------------------------------------------------------------------------------------------
+def _dp_accounting_epsilon(q, sigma, steps, delta, kind):
+    import dp_accounting
+
+    if kind == "rdp":
+        acc = dp_accounting.rdp.RdpAccountant()
+    else:
+        acc = dp_accounting.pld.PLDAccountant(value_discretization_interval=1e-3)
+    acc.compose(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), steps)
+    return acc.get_epsilon(delta)
+
+
+@pytest.mark.parametrize("kind", ["rdp", "pld"])
+def test_per_silo_epsilon_from_participation_matches_dp_accounting(kind):
+    # Three silos of different sizes that trained 4, 7 and 0 of the rounds, L = 5 steps each.
+    sigma, b, L, delta = 0.9, 64, 5, 1e-5
+    for n, rounds in ((1000, 4), (1500, 7), (800, 0)):
+        ledger = SiloLedger(delta, kind)
+        for _ in range(rounds):
+            ledger.record(b / n, sigma, L)
+        assert ledger.rounds == rounds
+        if rounds == 0:
+            assert ledger.epsilon() == 0.0
+            continue
+        expected = _dp_accounting_epsilon(b / n, sigma, L * rounds, delta, kind)
+        assert ledger.epsilon() == pytest.approx(expected, rel=1e-3 if kind == "rdp" else 1e-2)
+
+
+def test_calibration_hits_the_target_from_below():
+    sigma = calibrate_noise_multiplier(0.1, 50, 8.0, 1e-5)
+    assert dp_sgd_epsilon([(0.1, sigma, 50)], 1e-5) <= 8.0
+    assert dp_sgd_epsilon([(0.1, sigma * 0.999, 50)], 1e-5) > 8.0 * 0.999
+
+
+def test_ledger_state_round_trips():
+    ledger = SiloLedger(1e-5)
+    ledger.record(0.1, 1.0, 5)
+    ledger.record(0.1, 1.0, 5)
+    ledger.record(0.1, 2.0, 5)
+    again = SiloLedger.from_state_dict(json.loads(json.dumps(ledger.state_dict())))
+    assert again.entries == ledger.entries == [[0.1, 1.0, 10, 2], [0.1, 2.0, 5, 1]]
+    assert again.epsilon() == ledger.epsilon()
+
+
+def test_server_never_sends_a_round_past_a_silos_budget():
+    from fedpower_app.privacy import SiloDPSGD
+    from strategies.privacy_contract import BudgetExhausted
+
+    # sigma fixed so that the budget runs out after a few rounds; silo 1 is smaller (larger q).
+    cfg = parse_config({"dp.noise-multiplier": 2.0, "dp.epsilon": 1.5, "train.batch-size": 50,
+                        "train.local-steps": 5, "num-server-rounds": 300})
+    hook = SiloDPSGD(cfg, {10: 1000, 11: 500})
+    admitted_rounds = {10: 0, 11: 0}
+    for server_round in range(1, 301):
+        try:
+            hook.check("fedlora", server_round)
+        except BudgetExhausted:
+            break
+        nodes = hook.admit([10, 11], server_round)
+        hook.record_sent(nodes, server_round)
+        for node in nodes:
+            admitted_rounds[node] += 1
+        for ledger in hook.ledgers.values():
+            assert ledger.epsilon() <= 1.5 * (1 + 1e-9)
+    else:
+        pytest.fail("the budget never stopped the run")
+    assert 0 < admitted_rounds[11] < admitted_rounds[10]  # the smaller silo spends faster
+    for node, ledger in hook.ledgers.items():  # one more round would cross
+        assert ledger.epsilon_if(hook.rates[node], hook.sigma, 5) > 1.5
+    assert hook.epsilon() == max(ledger.epsilon() for ledger in hook.ledgers.values())
+
+
+def test_calibrated_hook_plans_every_silo_every_round():
+    from fedpower_app.privacy import SiloDPSGD
+
+    cfg = parse_config({"num-server-rounds": 10, "train.batch-size": 100, "train.local-steps": 4})
+    hook = SiloDPSGD(cfg, {1: 2000, 2: 1000, 3: 1999})
+    assert hook.planned_epsilon <= cfg["dp.epsilon"] * (1 + 1e-9)
+    assert hook.planned_epsilon == pytest.approx(cfg["dp.epsilon"], rel=1e-3)
+    for r in range(10):  # every silo in every round: never refused
+        assert hook.admit([1, 2, 3], r + 1) == [1, 2, 3]
+        hook.record_sent([1, 2, 3], r + 1)
+    assert hook.epsilon() == pytest.approx(dp_sgd_epsilon([(0.1, hook.sigma, 40)], cfg["dp.delta"]))
+    table = hook.silo_table()
+    assert [row["rounds_trained"] for row in table] == [10, 10, 10]
+    assert {"q", "sigma", "local_steps", "rounds_trained", "epsilon"} <= set(table[0])
+
+
+# ------------------------------------------------------------------------------------------
+# The silo's own checks
+# ------------------------------------------------------------------------------------------
+def test_silo_refuses_without_parameters_with_bad_ones_or_past_its_budget():
+    ledger = SiloLedger(1e-5)
+    with pytest.raises(SiloRefusal, match="no DP-SGD parameters"):
+        silo_admits(ledger, None, 1000, max_epsilon=8.0)
+    with pytest.raises(SiloRefusal, match="noise multiplier 0"):
+        silo_admits(ledger, DPSGDParams(0.0, 1.0, 100, 5), 1000, max_epsilon=8.0)
+    with pytest.raises(SiloRefusal, match="invalid"):
+        silo_admits(ledger, DPSGDParams(1.0, -1.0, 100, 5), 1000, max_epsilon=8.0)
+    params = DPSGDParams(3.0, 1.0, 100, 5)
+    rounds = 0
+    while True:
+        try:
+            q = silo_admits(ledger, params, 1000, max_epsilon=0.6)
+        except SiloRefusal as exc:
+            assert "budget" in str(exc)
+            break
+        assert q == 0.1
+        ledger.record(q, params.noise_multiplier, params.local_steps)
+        rounds += 1
+    assert rounds >= 2 and ledger.epsilon() <= 0.6
+
+
+def _run(tmp_path, node_config=None, **overrides):
+    from client_app.app import app as client_app
+    from fedpower_app.inprocess import InProcessGrid
+    from fedpower_app.results import ResultsWriter
+    from server_app import app as server
+    from tests.test_app_inprocess import TINY
+
+    cfg = parse_config({**TINY, "output-dir": str(tmp_path), "run-name": "run", **overrides})
+    grid = InProcessGrid(client_app, 2, cfg.to_dict(), node_config=node_config)
+    run_dir = server.run_directory(cfg)
+    server._run(grid, cfg, run_dir, ResultsWriter(run_dir, cfg.to_dict()))
+    return json.loads((run_dir / "results.json").read_text()), grid
+
+
+def test_silo_with_its_own_budget_refuses_a_non_private_run(tmp_path):
+    # The server runs without DP; the silos demand DP-SGD (node config): every reply is a refusal.
+    res, _ = _run(tmp_path, node_config={"dp-max-epsilon": 4.0}, **{"num-server-rounds": 1, "dp.level": "none"})
+    row = res["rounds"][0]
+    assert row["sampled"] == 2 and row["aggregated"] == 0 and len(row["dropped"]) == 2
+    assert all("no DP-SGD parameters" in d["reason"] for d in row["dropped"])
+
+
+def test_silo_stops_at_its_own_budget_even_if_the_server_plans_more(tmp_path):
+    # The server's budget is 8; each silo's own is smaller and it refuses once a round would cross.
+    # n = 120, b = 16, L = 2, sigma = 2: eps 0.75 after one round, 1.03 after three.
+    res, grid = _run(tmp_path, node_config={"dp-max-epsilon": 1.0},
+                     **{"num-server-rounds": 3, "dp.noise-multiplier": 2.0, "dp.epsilon": 50.0})
+    aggregated = [r["aggregated"] for r in res["rounds"]]
+    assert aggregated[0] == 2 and aggregated[-1] == 0
+    reasons = [d["reason"] for r in res["rounds"] for d in r["dropped"]]
+    assert reasons and all("budget" in reason for reason in reasons)
+    for context in grid._contexts.values():  # the silo's own ledger, in Context.state
+        state = json.loads(str(context.state.config_records["dp-sgd-ledger"]["state"]))
+        assert SiloLedger.from_state_dict(state).epsilon() <= 1.0
+
+
+def test_dp_sgd_run_reports_every_silo(tmp_path):
+    res, _ = _run(tmp_path, **{"num-server-rounds": 2, "strategy.name": "fedpower"})
+    final = res["privacy_final"]
+    assert final["noise_at"] == "silo" and final["is_valid_guarantee"]
+    assert [s["rounds_trained"] for s in final["silos"]] == [2, 2]
+    assert final["epsilon_spent"] == pytest.approx(max(s["epsilon"] for s in final["silos"]))
+    assert final["epsilon_spent"] <= 8.0 * (1 + 1e-9)
+    assert res["rounds"][-1]["epsilon"] == pytest.approx(final["epsilon_spent"])
+    assert all(r["noise_stds"] == [0.0, 0.0] for r in res["rounds"])  # no server noise
