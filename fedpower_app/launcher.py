@@ -9,13 +9,18 @@ What it does, in order:
 
 1. **Validates the configuration before anything starts.** pyproject defaults + ``--preset`` +
    ``--set`` go through :func:`fedpower_app.config.validate_overrides` (the ServerApp's own
-   ``parse_config``), plus the checks that involve the simulation flags (``--supernodes`` against
-   ``strategy.min-nodes``, ``device = "cuda"`` without ``--gpus-per-client``). A bad value exits 2
-   with one line naming the key, in well under a second, without starting any process.
+   ``parse_config``), plus the checks that involve the simulation flags or the file system
+   (``--supernodes`` against ``strategy.min-nodes``, ``device = "cuda"`` without
+   ``--gpus-per-client``, a ``task.data-dir`` that does not exist). A bad value exits 2 with one
+   line naming the key, in well under a second, without starting any process.
 2. **Starts its own SuperLink** as a child process: ``flower-superlink --insecure --simulation
-   --isolation subprocess --host 127.0.0.1 --port <free port> --database :flwr-in-memory:``, in a
-   new session (``start_new_session=True``), and waits until its HTTP API (Control, Fleet and
-   Runtime APIs share one port in Flower 1.41) answers ``/health``.
+   --isolation subprocess --host 127.0.0.1 --port <port> --database :flwr-in-memory:
+   --disable-runtime-dependency-installation``, in a new session (``start_new_session=True``), and
+   waits until its HTTP API (Control, Fleet and Runtime APIs share one port in Flower 1.41)
+   answers ``/health``. The port: free, and stable per ``--flwr-home`` when that port is free. A
+   port that already answers is refused (never reuse a SuperLink someone else started). Its
+   output goes to ``$FLWR_HOME/fedpower-run/<pid>-<port>/superlink.log``, kept only if it fails
+   to start.
 3. **Runs** ``flwr run <app> fedpower-run --stream`` against it. The connection
    ``fedpower-run`` (explicit address ``127.0.0.1:<port>``, ``insecure = true``) lives in the
    ``config.toml`` of a private CLI home (``$FLWR_HOME/fedpower-run/<pid>-<port>/``), given to the
@@ -28,8 +33,11 @@ What it does, in order:
 5. **Stops everything it started, by PID**, in a ``finally`` (success, failure, Ctrl-C, SIGTERM,
    SIGHUP): :func:`terminate_tree` snapshots the SuperLink's descendants (``flower-superexec``
    runs in a session of its own, ``flwr-simulation`` and Ray below it), sends SIGTERM to the
-   process groups they lead and to each PID, waits, then SIGKILLs what is left. Nothing is ever
-   matched by name or pattern.
+   process groups they lead and to each PID, waits :data:`STOP_GRACE_SECONDS`, then SIGKILLs what
+   is left. ``fedpower-run`` is also a child subreaper (``PR_SET_CHILD_SUBREAPER``), so processes
+   orphaned on the way (e.g. ``flwr-simulation`` once its SuperExec exited) come back to it and
+   are stopped and reaped rather than left as zombies. A second Ctrl-C during this cleanup is
+   deferred, not allowed to interrupt it. Nothing is ever matched by name or pattern.
 
 Why not ``flwr run`` with the ``:local:`` connection: it spawns a *detached, persistent*
 ``flower-superlink`` (``flwr/cli/local_superlink.py``) whose PID nobody records, shared by every
@@ -39,15 +47,21 @@ means a dead SuperLink gives a connection error instead of silently spawning a n
 
 Library use (:func:`run_flwr`, e.g. ``fedpower-experiment``): by default the SuperLink is kept for
 the next call with the same ``flwr_home`` (a grid of cells reuses it; ``flwr ls``/``flwr stop``
-with :func:`flwr_env` keep working between calls) and stopped by :func:`stop_local_superlink`, at
-interpreter exit, or - when started from the main thread - by the kernel if this process dies
-(``PR_SET_PDEATHSIG``). ``fedpower-run`` always stops it before exiting.
+with ``flwr_env(flwr_home, port)`` reach it between calls) and stopped by
+:func:`stop_local_superlink`, at interpreter exit, or - when started from the main thread - by the
+kernel if this process dies (``PR_SET_PDEATHSIG``). ``keep_superlink=False`` stops it before
+returning; ``fedpower-run`` always does.
 
-Console: unless ``--verbose``, known-harmless noise is hidden (see :data:`NOISE_PATTERNS` and
-:class:`ConsoleFilter`; the full output is still returned in :class:`RunOutcome`), Python
-FutureWarnings from Ray and transformers and the model-loading progress bars are switched off in
-the environment of the processes started, and a failed run ends with one ``fedpower-run: error``
-line naming the exception. ``--verbose`` shows everything, with Flower's DEBUG log.
+Console: unless ``--verbose``, known-harmless noise is switched off in the environment of the
+processes started (:data:`QUIET_ENV`: Ray's and transformers' FutureWarnings, torch's warning under
+Opacus' hooks, model-loading progress bars) and hidden from the streamed output
+(:data:`NOISE_PATTERNS`, :class:`ConsoleFilter`: Flower notices, Flower records repeated by the
+root logger, a traceback repeated verbatim); the full output is still returned in
+:class:`RunOutcome`. A failed run ends with one ``fedpower-run: error`` line naming the run's
+status and the exception that caused it. ``--verbose`` shows everything, with Flower's DEBUG log.
+
+Exit codes: 0 run completed, 1 run failed (or stopped), 2 bad arguments or configuration, or the
+SuperLink could not be started, 130 interrupted (Ctrl-C, SIGTERM, SIGHUP).
 """
 
 from __future__ import annotations
@@ -88,7 +102,14 @@ OFFLINE_ENV = {
 QUIET_ENV = {
     # "FutureWarning: Tip: In future versions of Ray, Ray will no longer override accelerator visible
     # devices ..." (every Ray init) and transformers' "`is_gradient_checkpointing` is deprecated" (PEFT).
-    "PYTHONWARNINGS": "ignore::FutureWarning:ray._private.worker,ignore::FutureWarning:transformers.modeling_utils",
+    # Opacus' per-example gradient hooks on LoRA layers whose inputs (frozen base) need no gradient:
+    # torch's "Full backward hook is firing when gradients are computed with respect to module
+    # outputs since no inputs require gradients" (harmless: Opacus uses the output gradients).
+    "PYTHONWARNINGS": ",".join([
+        "ignore::FutureWarning:ray._private.worker",
+        "ignore::FutureWarning:transformers.modeling_utils",
+        "ignore:Full backward hook is firing when gradients are computed with respect to module outputs:UserWarning",
+    ]),
     "HF_HUB_DISABLE_PROGRESS_BARS": "1",  # "Loading weights: 100%|####| 103/103" per process
 }
 # (Not RAY_BACKEND_LOG_LEVEL: Ray's C++ logs go to files anyway, and setting it makes every raylet
@@ -98,7 +119,7 @@ VERBOSE_ENV = {"FLWR_LOG_LEVEL": "DEBUG", "FEDPOWER_VERBOSE": "1"}
 
 CONNECTION = "fedpower-run"  # name of the connection in the private CLI home
 SUPERLINK_START_TIMEOUT = 60.0
-STOP_GRACE_SECONDS = 10.0
+STOP_GRACE_SECONDS = 3.0  # flwr-simulation and Ray can take longer than this on SIGTERM; they get SIGKILL
 
 
 class LauncherError(RuntimeError):
@@ -186,6 +207,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _port_is_free(port: int | None) -> bool:
+    if not port:
+        return False
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 def _num(value: float) -> str:
     """Flower rejects `num-cpus=2.0`: whole numbers as ints."""
     return str(int(value)) if float(value).is_integer() else str(value)
@@ -246,14 +278,15 @@ def terminate_tree(proc: subprocess.Popen, grace: float | None = None) -> list[i
             pass
     pids = {proc.pid} | {p.pid for p in procs}
 
+    groups: set[int] = set()  # process groups led by a process we started
+
     def signal_all(sig: int) -> None:
-        groups = set()
         for p in procs:
             try:
                 pgid = os.getpgid(p.pid)
             except OSError:
                 continue
-            if pgid in pids and _alive(p):  # only groups led by a process we started
+            if pgid in pids and _alive(p):
                 groups.add(pgid)
         if psutil is None and proc.poll() is None:
             groups.add(proc.pid)
@@ -269,25 +302,30 @@ def terminate_tree(proc: subprocess.Popen, grace: float | None = None) -> list[i
             except Exception:
                 pass
 
+    def track(new) -> None:
+        for p in new:
+            if p.pid not in pids:
+                pids.add(p.pid)
+                procs.append(p)
+                try:
+                    p.terminate()
+                except Exception:
+                    pass
+
     signal_all(signal.SIGTERM)
     deadline = time.monotonic() + grace
     while True:
         proc.poll()  # reap our direct child
+        alive = [p for p in procs if _alive(p)]
+        for p in alive:  # processes spawned while shutting down are stopped too
+            track(_children(p))
+        track(_group_members(groups))  # e.g. a Ray worker whose parent is already gone
         alive = [p for p in procs if _alive(p)]
         if proc.poll() is not None and not alive:
             break
         if time.monotonic() > deadline:
             signal_all(signal.SIGKILL)
             break
-        for p in alive:  # processes spawned while shutting down are stopped too
-            for child in _children(p):
-                if child.pid not in pids:
-                    pids.add(child.pid)
-                    procs.append(child)
-                    try:
-                        child.terminate()
-                    except Exception:
-                        pass
         time.sleep(0.05)
     try:
         proc.wait(timeout=5)
@@ -297,6 +335,24 @@ def terminate_tree(proc: subprocess.Popen, grace: float | None = None) -> list[i
     while any(_alive(p) for p in procs) and time.monotonic() < end:
         time.sleep(0.05)
     return sorted(pids)
+
+
+def _group_members(groups: set[int]) -> list:
+    """Living processes in the given process groups (groups are looked up by ID, never by name)."""
+    if not groups:
+        return []
+    try:
+        import psutil
+    except ImportError:  # pragma: no cover
+        return []
+    out = []
+    for p in psutil.process_iter():
+        try:
+            if os.getpgid(p.pid) in groups and _alive(p):
+                out.append(p)
+        except (OSError, psutil.Error):
+            continue
+    return out
 
 
 def _alive(p) -> bool:
@@ -378,6 +434,9 @@ class LocalSuperLink:
     def __init__(self, flwr_home: str | Path | None, port: int | None = None, *, verbose: bool = False) -> None:
         self.home = _home(flwr_home)
         self.requested_port = port
+        # With an explicit home and no port: the port flwr_env(home) exports, when it is free, so
+        # `flwr` calls made with flwr_env(home) reach this SuperLink while it runs.
+        self.preferred_port = default_superlink_port(flwr_home) if flwr_home and not port else None
         self.port: int = port or 0
         self.verbose = verbose
         self.proc: subprocess.Popen | None = None
@@ -401,7 +460,8 @@ class LocalSuperLink:
     def start(self, timeout: float = SUPERLINK_START_TIMEOUT) -> "LocalSuperLink":
         attempts = 1 if self.requested_port else 3  # a free port can be taken between probe and bind
         for attempt in range(attempts):
-            self.port = self.requested_port or free_port()
+            preferred = self.preferred_port if attempt == 0 and _port_is_free(self.preferred_port) else None
+            self.port = self.requested_port or preferred or free_port()
             if _health(self.port):
                 raise LauncherError(
                     f"port {self.port} already serves a SuperLink this process did not start (left over from "
@@ -516,7 +576,8 @@ ANSI_RE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 LEVELS = "DEBUG|INFO|WARNING|ERROR|CRITICAL"
 # Flower's console handler (also used by the fedpower logger): "INFO :      message", optionally
 # prefixed by Ray's "(ClientAppActor pid=123) " and with a timestamp in DEBUG mode.
-CONSOLE_RE = re.compile(rf"^(?P<actor>\(\w+ pid=\d+\)\s?)?(?P<level>{LEVELS})(?: [0-9: ,.-]+)? :\s?(?P<msg>.*)$")
+CONSOLE_RE = re.compile(rf"^(?P<actor>\(\w+ pid=\d+\)\s?)?(?P<level>{LEVELS})"
+                        rf"(?: \d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d,\d+)? ?:\s?(?P<msg>.*)$")
 # The same Flower records a second time through the root logger, which `opacus` configures with
 # logging.basicConfig at import ("11/23/2026 14:27:35:ERROR:Simulation raised an exception").
 ROOT_RE = re.compile(rf"^(?P<actor>\(\w+ pid=\d+\)\s?)?\d\d/\d\d/\d{{4}} \d\d:\d\d:\d\d:(?P<level>{LEVELS}):(?P<msg>.*)$")
@@ -534,62 +595,113 @@ NOISE_PATTERNS: list[tuple[re.Pattern, str]] = [(re.compile(p), why) for p, why 
      "transformers deprecation triggered inside PEFT (not our code)"),
     (r"FutureWarning: Tip: In future versions of Ray, Ray will no longer override accelerator",
      "Ray notice printed by every Ray start (fedpower sets the GPU fraction explicitly)"),
+    (r"UserWarning: Full backward hook is firing when gradients are computed with respect to module outputs "
+     r"since no inputs require gradients", "torch, under Opacus' per-example gradient hooks (see QUIET_ENV)"),
     (r"^(\(\w+ pid=\d+\)\s?)?Loading weights:\s+\d+%\|", "transformers progress bar (one per process)"),
 ]]
-_WARN_CONTINUATION = re.compile(r"^(\(\w+ pid=\d+\)\s?)?\s+warnings\.warn\($")
+# The source line Python prints under a warning ("  warnings.warn(", "  loss.backward()"): hidden
+# only right after a hidden warning.
+_WARN_CONTINUATION = re.compile(r"^(\(\w+ pid=\d+\)\s?)?  \S")
+
+
+TRACEBACK_START = "Traceback (most recent call last):"
+_ACTOR = re.compile(r"^\(\w+ pid=\d+\)\s?")
 
 
 class ConsoleFilter:
-    """Decides, line by line, what of ``flwr run --stream``'s output reaches the console.
+    """Decides what of ``flwr run --stream``'s output reaches the console: :meth:`feed` takes one
+    line and returns the lines to print now (usually it or nothing; a traceback is held until its
+    last line), :meth:`flush` returns what is still held at the end.
 
-    Hidden: lines matching :data:`NOISE_PATTERNS` (and the ``warnings.warn(`` line after a hidden
-    warning); Flower DEBUG records repeated by the root logger; a root-logger repeat of a record
-    already shown, together with its continuation lines (the repeated traceback) - only lines equal
-    to the ones already shown are dropped; empty log records. ERROR and CRITICAL records, tracebacks
-    and anything unknown always pass.
+    Hidden:
+
+    * lines matching :data:`NOISE_PATTERNS`, and the source line Python prints under a hidden warning;
+    * Flower records repeated by the root logger (``opacus`` calls ``logging.basicConfig``): their
+      DEBUG records, and repeats of a record already shown together with its continuation lines (the
+      repeated traceback) - only lines equal to the ones already shown are dropped;
+    * a traceback identical to one already shown (Flower logs a failing ClientApp load twice): it is
+      replaced by one line naming its exception, keeping the ERROR record it belongs to;
+    * empty log records.
+
+    ERROR and CRITICAL records, the first copy of every traceback and anything unknown always pass.
     """
 
     MAX_REMEMBERED = 500
+    MAX_TRACEBACK = 2000
 
     def __init__(self) -> None:
         self._blocks: collections.OrderedDict[str, list[str]] = collections.OrderedDict()
         self._current: list[str] | None = None
         self._expect: collections.deque[str] | None = None
         self._hid_warning = False
+        self._tb: list[tuple[str, str]] | None = None  # held traceback: (raw line, structure text)
+        self._tracebacks: set[tuple[str, ...]] = set()
 
-    def keep(self, line: str) -> bool:
+    def feed(self, line: str) -> list[str]:
         plain = ANSI_RE.sub("", line.rstrip("\r\n"))
         hid_warning, self._hid_warning = self._hid_warning, False
+        # 1. root-logger repeats of Flower records
         if self._expect is not None:  # inside a repeated block: drop what was already shown
             if self._expect and plain == self._expect[0]:
                 self._expect.popleft()
-                return False
+                return []
             self._expect = None
+        record = None
         if m := ROOT_RE.match(plain):
             self._current = None
             msg = m["msg"].strip()
             if m["level"] == "DEBUG":
-                return False
+                return []
             if msg in self._blocks:
                 self._expect = collections.deque(self._blocks[msg])
-                return False
-            return not (m["level"] not in ("ERROR", "CRITICAL") and self._noise(plain))
-        if m := CONSOLE_RE.match(plain):
-            msg = m["msg"].strip()
-            self._current = self._remember(msg)
-            if m["level"] in ("ERROR", "CRITICAL"):
-                return True
-            return bool(msg) and not self._noise(plain)
-        if self._current is not None and len(self._current) < 200:
+                return []
+            record = (m["level"], msg)
+        elif m := CONSOLE_RE.match(plain):
+            record = (m["level"], m["msg"].strip())
+            self._current = self._remember(record[1])
+        elif self._current is not None and len(self._current) < 200:
             self._current.append(plain)
+        # 2. tracebacks: held until complete, shown once
+        text = record[1] if record else _ACTOR.sub("", plain)
+        out: list[str] = []
+        if self._tb is not None:
+            if text != TRACEBACK_START:
+                self._tb.append((line, text))
+                if (text[:1] not in (" ", "\t") or not text) or len(self._tb) > self.MAX_TRACEBACK:
+                    return self._close_traceback()  # the exception line (or the block broke off)
+                return []
+            out = self._close_traceback()
+        if text == TRACEBACK_START:
+            self._tb = [(line, text)]
+            return out
+        # 3. noise
+        if record is not None:
+            level, msg = record
+            if level in ("ERROR", "CRITICAL"):
+                return out + [line]
+            return out + ([line] if msg and not self._noise(plain) else [])
         if hid_warning and _WARN_CONTINUATION.match(plain):
-            return False
+            return out
         if self._noise(plain):
             self._hid_warning = "Warning:" in plain
-            return False
+            return out
         if re.fullmatch(r"\(\w+ pid=\d+\)\s*", plain):  # Ray's prefix before a progress bar
-            return False
-        return True
+            return out
+        return out + [line]
+
+    def flush(self) -> list[str]:
+        return self._close_traceback() if self._tb is not None else []
+
+    def _close_traceback(self) -> list[str]:
+        block, self._tb = self._tb or [], None
+        key = tuple(text for _, text in block)
+        if key not in self._tracebacks:
+            self._tracebacks.add(key)
+            return [raw for raw, _ in block]
+        first = block[0][0]
+        exc = block[-1][1].strip() if len(block) > 1 else ""
+        note = f"(the same traceback as above{': ' + exc if exc else ''})"
+        return [first.replace(TRACEBACK_START, note, 1)]
 
     def _remember(self, msg: str) -> list[str]:
         block: list[str] = []
@@ -605,23 +717,31 @@ class ConsoleFilter:
 
 
 def filter_lines(lines: Iterable[str]) -> list[str]:
-    """The lines :class:`ConsoleFilter` lets through (for tests and post-processing)."""
+    """The lines :class:`ConsoleFilter` lets through, in order (for tests and post-processing)."""
     f = ConsoleFilter()
-    return [line for line in lines if f.keep(line)]
+    out = [kept for line in lines for kept in f.feed(line)]
+    return out + f.flush()
 
 
 _EXC_LINE = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?(?P<name>[A-Z]\w*(?:Error|Exception|Exhausted|Interrupt|Exit))"
                        r"(?::\s*(?P<msg>.*))?$")
+_CHAINED = ("The above exception was the direct cause of the following exception:",
+            "During handling of the above exception, another exception occurred:")
 
 
 def last_exception_line(output: str) -> str | None:
-    """The last ``SomeError: message`` line of a traceback in ``output`` (module path removed)."""
+    """The exception that ended the last traceback in ``output``, as ``SomeError: message`` (module
+    path removed). For chained exceptions, the first of the chain (the cause, not Flower's wrapper)."""
     found = None
+    chained = False
     for line in output.splitlines():
-        plain = ANSI_RE.sub("", line).strip()
-        plain = re.sub(r"^\(\w+ pid=\d+\)\s*", "", plain)
-        if (m := _EXC_LINE.match(plain)) and m["msg"] is not None:
-            found = f"{m['name']}: {m['msg']}"
+        plain = _ACTOR.sub("", ANSI_RE.sub("", line).strip()).strip()
+        if plain in _CHAINED:
+            chained = True
+        elif (m := _EXC_LINE.match(plain)) and m["msg"] is not None:
+            if not chained:
+                found = f"{m['name']}: {m['msg']}"
+            chained = False
     return found
 
 
@@ -668,7 +788,8 @@ def run_flwr(
 ) -> RunOutcome:
     """Run the app with ``flwr run --stream`` on a SuperLink this process owns; return its real status.
 
-    The SuperLink listens on ``superlink_port`` (default: a free port) with ``FLWR_HOME = flwr_home``.
+    The SuperLink listens on ``superlink_port`` (default: :func:`default_superlink_port` of an explicit
+    ``flwr_home`` if free, else a free port) with ``FLWR_HOME = flwr_home``.
     With ``keep_superlink`` (default) it is reused by the next call for the same home and stopped by
     :func:`stop_local_superlink` or at exit; otherwise it is stopped (by PID, with everything it
     started) before returning - also when this raises or is interrupted. ``echo`` prints the output
@@ -706,26 +827,49 @@ def run_flwr(
 
 def _stream(cmd: list[str], env: dict[str, str], *, echo: bool, verbose: bool, timeout: float | None,
             t0: float) -> tuple[str | None, int, str]:
-    """Run ``flwr run --stream``, echo its (filtered) output; (run id, exit code, full output)."""
+    """Run ``flwr run --stream``, echo its (filtered) output; (run id, exit code, full output).
+
+    ``timeout`` counts from ``t0`` (SuperLink start included) and is enforced by a timer, also when
+    ``flwr run`` prints nothing: SIGINT, then SIGTERM 5 s later if it is still there.
+    """
     proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, bufsize=1, errors="replace")
+    timers: list[threading.Timer] = []
+
+    def expire(sig: int) -> None:
+        if proc.poll() is None:
+            proc.send_signal(sig)
+            if sig == signal.SIGINT:
+                later = threading.Timer(5.0, expire, (signal.SIGTERM,))
+                later.daemon = True
+                timers.append(later)
+                later.start()
+
+    if timeout is not None:
+        timers.append(threading.Timer(max(0.0, t0 + timeout - time.time()), expire, (signal.SIGINT,)))
+        timers[0].daemon = True
+        timers[0].start()
     console = ConsoleFilter()
     lines: list[str] = []
     run_id = None
+
+    def show(out: list[str]) -> None:
+        if echo and out:
+            sys.stdout.write("".join(out))
+            sys.stdout.flush()
+
     try:
         assert proc.stdout is not None
         for line in proc.stdout:
             lines.append(line)
-            if echo and (verbose or console.keep(line)):
-                sys.stdout.write(line)
-                sys.stdout.flush()
+            show([line] if verbose else console.feed(line))
             if run_id is None and (m := re.search(r"started run (\d+)", line)):
                 run_id = m.group(1)
-            if timeout is not None and time.time() - t0 > timeout:
-                proc.send_signal(signal.SIGINT)
-                break
         proc.wait(timeout=60)
     finally:
+        show(console.flush())
+        for timer in list(timers):
+            timer.cancel()
         if proc.poll() is None:
             proc.terminate()
             try:
@@ -801,26 +945,41 @@ def _become_subreaper() -> bool:
 
 
 def _stop_orphans(grace: float | None = None) -> None:
-    """Terminate what is left among this process's own children (descendants re-parented to it as
-    subreaper), by PID, then reap every exited child."""
+    """Stop and reap what is left among this process's own children (descendants re-parented to it as
+    subreaper), by PID: SIGTERM, SIGKILL after ``grace`` seconds; returns once none is left."""
+    grace = STOP_GRACE_SECONDS if grace is None else grace
     try:
         import psutil
+    except ImportError:  # pragma: no cover
+        psutil = None
+    deadline = time.monotonic() + grace
+    signalled: set[int] = set()
+    while True:
+        _reap()
+        kids = psutil.Process().children(recursive=True) if psutil is not None else []
+        if not kids:
+            return
+        killing = time.monotonic() > deadline
+        for p in kids:
+            if _alive(p) and (killing or p.pid not in signalled):
+                signalled.add(p.pid)
+                try:
+                    p.kill() if killing else p.terminate()
+                except Exception:
+                    pass
+        if time.monotonic() > deadline + 5:  # pragma: no cover - unkillable (D state)
+            return
+        time.sleep(0.05)
 
-        left = [p for p in psutil.Process().children(recursive=True) if _alive(p)]
-        for p in left:
-            p.terminate()
-        _, alive = psutil.wait_procs(left, timeout=STOP_GRACE_SECONDS if grace is None else grace)
-        for p in alive:
-            p.kill()
-    except Exception:
-        pass
+
+def _reap() -> None:
     while True:
         try:
             pid, _ = os.waitpid(-1, os.WNOHANG)
         except ChildProcessError:
-            break
+            return
         if pid == 0:
-            break
+            return
 
 
 class _Terminated(KeyboardInterrupt):
@@ -834,7 +993,8 @@ def _on_signal(signum, frame):  # noqa: ARG001
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="fedpower-run", description=__doc__.split("\n\n")[0],
                                 epilog="Exit codes: 0 run completed, 1 run failed, 2 bad arguments/config or "
-                                       "launcher error, 130 interrupted.")
+                                       "launcher error, 130 interrupted. The SuperLink this starts, and every "
+                                       "process below it, is stopped before it exits.")
     p.add_argument("--app", default=str(PROJECT_ROOT), help="app directory (default: this project)")
     p.add_argument("--preset", help="a conf/*.toml preset")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a run-config key (TOML value)")

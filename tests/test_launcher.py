@@ -195,12 +195,13 @@ def test_run_that_raises_stops_the_whole_superlink_tree(error, fake_superlink, t
         raise error
 
     monkeypatch.setattr(L, "_stream", exploding_stream)
+    before = list(L._STARTED)
     with pytest.raises(type(error)):
         L.run_flwr(PROJECT_ROOT, {"num-server-rounds": 1}, flwr_home=tmp_path / "home", echo=False,
                    keep_superlink=False)
     assert len(seen["pids"]) == 5  # superlink, its child, superexec (own session), its child, stubborn child
     assert _wait_gone(seen["pids"]) == []
-    assert L._STARTED == []
+    assert L._STARTED == before
     # flwr ran against the launcher's own connection, from a private CLI home that is gone now
     assert seen["cmd"][3] == L.CONNECTION and "--stream" in seen["cmd"]
     assert not Path(seen["home"]).exists()
@@ -230,6 +231,7 @@ def test_kept_superlink_is_reused_then_stopped_by_pid(fake_superlink, tmp_path, 
     monkeypatch.setattr(L, "_stream", lambda cmd, env, **kw: ("1", 0, ""))
     monkeypatch.setattr(L, "run_status", lambda run_id, env, connection=None: "finished:completed")
     home = tmp_path / "home"
+    before = list(L._STARTED)
     L.run_flwr(PROJECT_ROOT, {}, flwr_home=home, echo=False)
     pids = fake_superlink()
     link = L._kept_superlink(home.resolve(), None)
@@ -241,7 +243,7 @@ def test_kept_superlink_is_reused_then_stopped_by_pid(fake_superlink, tmp_path, 
     assert all(_running(p) for p in pids)
     stopped = L.stop_local_superlink(home)
     assert set(pids) <= set(stopped)
-    assert _wait_gone(pids) == [] and L._STARTED == []
+    assert _wait_gone(pids) == [] and L._STARTED == before
 
 
 def test_sigterm_to_fedpower_run_stops_everything(fake_superlink, tmp_path):
@@ -284,6 +286,19 @@ def test_sigterm_to_fedpower_run_stops_everything(fake_superlink, tmp_path):
     assert proc.returncode == 130, err
     assert "terminated" in err and "Traceback" not in err
     assert _wait_gone(pids) == []
+
+
+def test_timeout_stops_a_silent_flwr_run(fake_superlink, tmp_path, monkeypatch):
+    """run_flwr(timeout=...) holds even when `flwr run` prints nothing (fedpower-experiment --cell-timeout)."""
+    fake_flwr = tmp_path / "flwr"
+    fake_flwr.write_text(f"#!{sys.executable}\nimport sys, time\nif sys.argv[1] == 'run':\n    time.sleep(600)\n")
+    fake_flwr.chmod(0o755)
+    monkeypatch.setattr(L, "_flwr", lambda: str(fake_flwr))
+    t0 = time.time()
+    outcome = L.run_flwr(PROJECT_ROOT, {}, flwr_home=tmp_path / "home", echo=False, timeout=1.5, keep_superlink=False)
+    assert time.time() - t0 < 20
+    assert outcome.status == "not-started" and not outcome.ok
+    assert _wait_gone(fake_superlink()) == []
 
 
 def test_terminate_tree_escalates_to_sigkill(tmp_path):
@@ -375,6 +390,8 @@ Loading weights: 100%|██████████| 103/103 [00:00<00:00, 2699
 \x1b[92mINFO \x1b[0m:      [round 1/2 powerdp] acc 0.3900 loss 0.6996 | eps 5.821/8 | clients 2 sampled, 2 aggregated, 0 dropped | up 0.60 MB down 0.60 MB | server 0.01 s | round 2.5 s | elapsed 2.5 s
 \x1b[36m(ClientAppActor pid=7791)\x1b[0m /work/main/fedpower_app/dp_sgd.py:123: UserWarning: Full backward hook is firing when gradients are computed with respect to module outputs since no inputs require gradients.
 \x1b[36m(ClientAppActor pid=7791)\x1b[0m   loss.backward()
+\x1b[36m(ClientAppActor pid=7791)\x1b[0m /work/main/fedpower_app/x.py:3: UserWarning: some new warning
+\x1b[36m(ClientAppActor pid=7791)\x1b[0m   model.step()
 \x1b[92mINFO \x1b[0m:      run fedpower-synthetic-20261123-142816 completed: final accuracy 0.5100, epsilon 8.000 (delta 1e-05)
 11/23/2026 14:28:34:DEBUG:ServerApp finished running.
 11/23/2026 14:28:34:DEBUG:Triggered stop event for Simulation Runtime.
@@ -422,7 +439,8 @@ def _kept(text: str) -> str:
 def test_console_filter_hides_known_noise_and_keeps_the_run():
     kept = _kept(CAPTURED_OK)
     plain = L.ANSI_RE.sub("", kept)
-    for noise in ("DEBUG", "FutureWarning", "warnings.warn(", "Since flwr 1.32", "To change federation size",
+    for noise in ("DEBUG", "FutureWarning", "warnings.warn(", "Full backward hook", "loss.backward()",
+                  "Since flwr 1.32", "To change federation size",
                   "flwr federation simulation-config", "Loading weights", "Successfully installed",
                   "Manually terminating", "11/23/2026"):
         assert noise not in plain, noise
@@ -430,7 +448,7 @@ def test_console_filter_hides_known_noise_and_keeps_the_run():
                    "Federation `@none/default` (6 simulated SuperNodes)", "task synthetic: 300 train",
                    "6 clients, shard sizes", "WARNING :   node 3 failed the size query and is left out: boom",
                    "[round 0] acc 0.6400", "[round 1/2 powerdp] acc 0.3900", "run fedpower-synthetic-20261123-142816 "
-                   "completed", "UserWarning: Full backward hook", "  loss.backward()"):
+                   "completed", "UserWarning: some new warning", "  model.step()"):
         assert wanted in plain, wanted
     assert "\x1b[92mINFO" in kept  # colours are passed through untouched
     assert not any(line.strip() in ("INFO :", "(ClientAppActor pid=4699)") for line in plain.splitlines())
@@ -444,6 +462,53 @@ def test_console_filter_shows_a_failure_once():
     assert plain.count("Exit Code: 700") == 1 and plain.count("An unhandled exception occurred") == 1
     assert "DEBUG" not in plain
     assert plain.startswith("ERROR :     Simulation raised an exception\n" + TRACEBACK)
+
+
+# A ClientApp that fails to import (captured with --verbose, frames trimmed): Flower logs the
+# traceback itself, then again as the cause of "Simulation raised an exception".
+CLIENTAPP_TB = """\
+  File "/work/main/.venv/lib/python3.11/site-packages/flwr/simulation/run_simulation.py", line 319, in _main_loop
+    vce.start_vce(
+  File "/work/main/.venv/lib/python3.11/site-packages/flwr/supercore/object_ref.py", line 159, in load_app
+    module = importlib.import_module(module_str)
+             ^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^
+  File "<frozen importlib._bootstrap>", line 1204, in _gcd_import
+  File "/tmp/fp/home-after/apps/fedpower.fedpower.0.1.0.342bc539/fedpower_app/silo_ledger.py", line 48, in <module>
+    pld_interval: float = A.DEFAULT_PLD_INTERVAL) -> float:
+                          ^^^^^^^^^^^^^^^^^^^^^^
+AttributeError: module 'fedpower_app.accounting' has no attribute 'DEFAULT_PLD_INTERVAL'
+"""
+CAPTURED_CLIENTAPP = (
+    "\x1b[91mERROR 2026-11-23 15:02:18,214\x1b[0m:     An exception occurred !! module 'fedpower_app.accounting' has "
+    "no attribute 'DEFAULT_PLD_INTERVAL'\n"
+    "\x1b[91mERROR 2026-11-23 15:02:18,221\x1b[0m:     Traceback (most recent call last):\n" + CLIENTAPP_TB + "\n"
+    "\x1b[91mERROR 2026-11-23 15:02:18,221\x1b[0m:     Simulation raised an exception\n"
+    "Traceback (most recent call last):\n" + CLIENTAPP_TB + "\n"
+    "The above exception was the direct cause of the following exception:\n\n"
+    "Traceback (most recent call last):\n"
+    '  File "/work/main/.venv/lib/python3.11/site-packages/flwr/simulation/run_simulation.py", line 347, in _main_loop\n'
+    '    raise RuntimeError("An error was encountered. Ending simulation.") from ex\n'
+    "RuntimeError: An error was encountered. Ending simulation.\n"
+    "\x1b[91mERROR 2026-11-23 15:02:18,225\x1b[0m:     Exit Code: 700\n" + EXIT_700
+)
+
+
+def test_console_filter_shows_a_repeated_traceback_once():
+    plain = L.ANSI_RE.sub("", _kept(CAPTURED_CLIENTAPP))
+    assert plain.count("AttributeError: module 'fedpower_app.accounting'") == 2  # traceback + the note
+    assert plain.count("silo_ledger.py") == 1 and plain.count("Traceback (most recent call last):") == 2
+    assert ("ERROR 2026-11-23 15:02:18,221:     Simulation raised an exception\n(the same traceback as above: "
+            "AttributeError: module 'fedpower_app.accounting' has no attribute 'DEFAULT_PLD_INTERVAL')\n") in plain
+    assert "The above exception was the direct cause" in plain and "RuntimeError: An error was encountered" in plain
+    assert plain.count("Exit Code: 700") == 1
+    # the closing line names the cause, not Flower's wrapper
+    assert L.last_exception_line(CAPTURED_CLIENTAPP) == (
+        "AttributeError: module 'fedpower_app.accounting' has no attribute 'DEFAULT_PLD_INTERVAL'")
+
+
+def test_console_filter_flushes_a_traceback_cut_short():
+    lines = ["Traceback (most recent call last):\n", '  File "x.py", line 1, in <module>\n']
+    assert L.filter_lines(lines) == lines
 
 
 def test_console_filter_never_drops_errors_or_new_text():
@@ -479,6 +544,24 @@ def test_quiet_and_verbose_environments(monkeypatch):
     assert quiet["PYTHONWARNINGS"].startswith("error::DeprecationWarning,")  # the user's filters are kept
     assert "ignore::FutureWarning:ray._private.worker" in quiet["PYTHONWARNINGS"]
     assert "ignore::FutureWarning:transformers.modeling_utils" in quiet["PYTHONWARNINGS"]
+    # The filters work in a fresh interpreter (as in the simulation and the Ray workers); other
+    # warnings still show.
+    code = textwrap.dedent("""
+        import warnings
+        warnings.warn_explicit("Tip: In future versions of Ray, Ray will no longer override accelerator", FutureWarning,
+                               "worker.py", 2051, module="ray._private.worker")
+        warnings.warn_explicit("`is_gradient_checkpointing` is deprecated", FutureWarning, "modeling_utils.py", 3303,
+                               module="transformers.modeling_utils")
+        warnings.warn("Full backward hook is firing when gradients are computed with respect to module outputs since "
+                      "no inputs require gradients. See https://docs.pytorch.org/...", UserWarning)
+        warnings.warn("a warning that must stay", FutureWarning)
+    """)
+    run = subprocess.run([sys.executable, "-c", code], env={**quiet, "PYTHONWARNINGS": quiet["PYTHONWARNINGS"].split(",", 1)[1]},
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0 and "Invalid -W option" not in run.stderr, run.stderr
+    assert "a warning that must stay" in run.stderr
+    for hidden in ("Tip: In future", "is_gradient_checkpointing", "Full backward hook"):
+        assert hidden not in run.stderr, run.stderr
     assert quiet["HF_HUB_DISABLE_PROGRESS_BARS"] == "1" and "FLWR_LOG_LEVEL" not in quiet
     verbose = L.output_env(L.flwr_env(None), verbose=True)
     assert verbose["PYTHONWARNINGS"] == "error::DeprecationWarning"
@@ -562,3 +645,60 @@ def test_fedpower_run_leaves_no_process_behind(verbose, tmp_path):
     else:
         for noise in ("DEBUG", "FutureWarning", "Since flwr 1.32", "Loading weights", "Manually terminating"):
             assert noise not in plain, noise
+
+
+def _start_fedpower_run(tmp_path, home, *extra):
+    exe = Path(sys.executable).with_name("fedpower-run")
+    cmd = [str(exe), "--preset", TINY, "--supernodes", "2", "--set", f'output-dir="{tmp_path / "out"}"',
+           "--flwr-home", str(home), *extra]
+    return subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, cwd=str(tmp_path), start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+
+
+@pytest.mark.slow
+def test_failed_run_reports_the_error_once_and_leaves_nothing(tmp_path):
+    """A run that fails in the ServerApp (the GLUE folder exists but holds no task): exit 1, the
+    traceback once, one closing error line, and no process left."""
+    empty = tmp_path / "glue"
+    empty.mkdir()
+    home = tmp_path / "flwr-home"
+    proc = _start_fedpower_run(tmp_path, home, "--set", 'task.name="sst2"', "--set", f'task.data-dir="{empty}"',
+                               "--set", "num-server-rounds=1")
+    descendants: set[int] = set()
+    output = []
+    for line in proc.stdout:
+        output.append(line)
+        descendants |= {c.pid for c in _children(proc.pid)}
+    proc.wait(timeout=600)
+    text = L.ANSI_RE.sub("", "".join(output))
+    assert proc.returncode == 1, text[-3000:]
+    assert text.count("Traceback (most recent call last):") == 1, text
+    assert text.count("FileNotFoundError: ") == 2, text  # the traceback's last line and the closing line
+    last = text.strip().splitlines()[-1]
+    assert last.startswith("fedpower-run: error: run ") and "finished:failed" in last and "FileNotFoundError" in last
+    assert _wait_gone(descendants, timeout=30) == [] and _processes_tied_to(home) == []
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_everything(tmp_path):
+    """Ctrl-C (SIGINT to the foreground process group, as a terminal sends it) in the middle of a run."""
+    home = tmp_path / "flwr-home"
+    proc = _start_fedpower_run(tmp_path, home, "--set", "num-server-rounds=50")
+    descendants: set[int] = set()
+    output = []
+    for line in proc.stdout:
+        output.append(line)
+        descendants |= {c.pid for c in _children(proc.pid)}
+        if "[round 1/50" in line:  # the run is training: SuperLink, SuperExec, simulation and Ray are up
+            break
+    descendants |= {c.pid for c in _children(proc.pid)}
+    assert len(descendants) >= 5, "".join(output)[-3000:]
+    t0 = time.time()
+    os.killpg(proc.pid, signal.SIGINT)
+    rest, _ = proc.communicate(timeout=120)
+    stop_seconds = time.time() - t0
+    assert proc.returncode == 130, rest
+    assert "fedpower-run: interrupted" in rest and "Traceback" not in rest
+    assert stop_seconds < 30
+    assert _wait_gone(descendants, timeout=30) == [] and _processes_tied_to(home) == []
