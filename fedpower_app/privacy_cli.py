@@ -1,25 +1,72 @@
-"""``fedpower-privacy``: calibrate the DP noise of a fedpower run and print its epsilon trajectory.
+"""``fedpower-privacy``: the privacy plan of a run, without training.
 
-Examples::
+It reads the SAME configuration as ``fedpower-run`` (pyproject.toml defaults, a ``--preset``,
+``--set key=value`` overrides) and builds the noise calibration with the server's own function
+(``fedpower_app.privacy.build_privacy``), so what it prints is what the server will use::
+
+    fedpower-privacy                                   # the default run (`fedpower-run`), 6 silos
+    fedpower-privacy --preset conf/tiny.toml --supernodes 3
+    fedpower-privacy --set strategy.name='"fedlora"' --set dp.level='"client"' --json
+    fedpower-privacy --preset conf/paper-sst2.toml --dataset-size 67349 --num-modules 48
+
+The older explicit flags still work and override the matching config key, e.g.
+``--epsilon`` (dp.epsilon), ``--rounds`` (num-server-rounds), ``--method`` (strategy.name)::
 
     fedpower-privacy --method fedpower --level sample --epsilon 3 --rounds 200 \\
         --client-rate 0.5 --num-clients 6 --dataset-size 67349 --batch-size 128 --local-steps 1
-    fedpower-privacy --method fedpower --level client --epsilon 3 --rounds 200 \\
-        --client-rate 0.5 --num-clients 6 --json
-    fedpower-privacy ... --noise-multiplier 0.8        # epsilon of a fixed z instead of calibrating
 
-Exit codes: 0 success, 2 invalid input (message on stderr).
+Data: the number of silos is ``--supernodes`` (default: the launcher's default, 6). The training
+set is the generated one (task.synthetic-train-size) or the local GLUE copy (task.data-dir), split
+exactly as the clients split it; a GLUE task from the hub is not downloaded, pass
+``--dataset-size`` (rows of the train split; task.max-train caps it as in a run) or
+``--client-sizes``. The number of LoRA modules is counted on the model's architecture (its
+config, no weights), as the server counts them; ``--num-modules`` overrides.
+
+Exit codes: 0 success, 2 invalid input (one line on stderr naming the config key or flag).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import inspect
 import json
 import math
 import sys
-from typing import Optional, Sequence
+import tomllib
+from typing import Any, Optional, Sequence
 
-from fedpower_app import accounting as acc
+from fedpower_app import accounting as acc  # before anything imports torch: fast opacus path
+from fedpower_app import launcher
+from fedpower_app.config import ConfigError, RunConfig, load_preset, parse_config
+
+#: Silos of the default run: ``fedpower-run``'s default ``--supernodes``.
+DEFAULT_SUPERNODES: int = inspect.signature(launcher.run_flwr).parameters["num_supernodes"].default
+
+#: Older explicit flags (argparse dest) -> the run-config key they override.
+FLAG_KEYS: dict[str, str] = {
+    "method": "strategy.name",
+    "level": "dp.level",
+    "epsilon": "dp.epsilon",
+    "delta": "dp.delta",
+    "rounds": "num-server-rounds",
+    "client_rate": "strategy.client-rate",
+    "batch_size": "train.batch-size",
+    "local_steps": "train.local-steps",
+    "clip": "dp.clip",
+    "rank": "lora.rank",
+    "refactor_every": "strategy.refactor-every",
+    "sample_mode": "dp.sample-mode",
+    "accountant": "dp.accountant",
+    "calibration": "dp.calibration",
+    "noise_multiplier": "dp.noise-multiplier",
+}
+#: Flags taking a name: case and '_' are normalised (``--sample-mode two_stage`` works).
+_NAME_FLAGS = ("method", "level", "sample_mode", "accountant", "calibration")
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
 
 
 class _ArgError(Exception):
@@ -34,80 +81,268 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="fedpower-privacy",
-        description="Calibrate the Gaussian noise of a fedpower run (corrected accounting) and "
-                    "report the epsilon trajectory.",
+        description="The privacy plan of a fedpower run: calibrated noise (the server's own calibration), "
+                    "sensitivities and the epsilon trajectory. Same configuration as fedpower-run.",
+        epilog="Older flags override their config key: "
+               + ", ".join(f"{_flag(d)} ({k})" for d, k in FLAG_KEYS.items()) + ".",
     )
-    p.add_argument("--method", default="fedpower", help=f"one of {list(acc.METHODS)} (default fedpower)")
-    p.add_argument("--level", default="sample", help="sample or client (default sample)")
-    p.add_argument("--epsilon", type=float, required=True, help="target epsilon")
-    p.add_argument("--delta", type=float, default=1e-5, help="target delta (default 1e-5)")
-    p.add_argument("--rounds", type=int, required=True, help="number of rounds T")
-    p.add_argument("--client-rate", type=float, required=True, help="Poisson client sampling rate q_c")
-    p.add_argument("--num-clients", type=int, required=True, help="number of clients N")
-    sizes = p.add_mutually_exclusive_group()
-    sizes.add_argument("--client-sizes", default=None, help="comma-separated client dataset sizes n_i")
-    sizes.add_argument("--dataset-size", type=int, default=None,
-                       help="total training examples, split equally over --num-clients")
-    p.add_argument("--batch-size", type=int, default=128, help="expected local batch size b (default 128)")
-    p.add_argument("--local-steps", type=int, default=1, help="local steps L per round (default 1)")
-    p.add_argument("--clip", type=float, default=1.0, help="server clip norm C (default 1.0)")
-    p.add_argument("--rank", type=int, default=8, help="LoRA rank r (default 8)")
-    p.add_argument("--num-modules", type=int, default=1, help="number of adapted modules M (default 1)")
-    p.add_argument("--refactor-every", type=int, default=1, help="FedPower refactor period F (default 1)")
-    p.add_argument("--sample-mode", default="two-stage", help="two-stage (default, rigorous) or product")
-    p.add_argument("--accountant", default="rdp", help="rdp (default, opacus) or pld (dp_accounting)")
-    p.add_argument("--calibration", default="rigorous", help="rigorous (default) or paper")
-    p.add_argument("--pld-interval", type=float, default=acc.DEFAULT_PLD_INTERVAL,
-                   help=f"PLD value discretisation interval (default {acc.DEFAULT_PLD_INTERVAL:g})")
-    p.add_argument("--noise-multiplier", type=float, default=None,
-                   help="report epsilon for this effective z instead of calibrating "
-                        "(with --calibration paper: the paper's sigma_alg)")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--every", type=int, default=10, help="trajectory print stride (default 10)")
+    run = p.add_argument_group("run configuration (as fedpower-run)")
+    run.add_argument("--preset", help="a conf/*.toml preset")
+    run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                     help="override a run-config key (TOML value), repeatable")
+    run.add_argument("--supernodes", "--num-clients", dest="num_clients", type=int, default=None,
+                     help=f"number of silos N (default {DEFAULT_SUPERNODES}, as fedpower-run)")
+    data = run.add_mutually_exclusive_group()
+    data.add_argument("--dataset-size", type=int, default=None,
+                      help="rows of the task's train split (task.max-train caps it, as in a run); "
+                           "split over the silos like the clients do")
+    data.add_argument("--client-sizes", default=None, help="comma-separated shard size of every silo")
+    run.add_argument("--num-modules", type=int, default=None,
+                     help="number of LoRA modules M (default: counted on the model's architecture)")
+    old = p.add_argument_group("older flags (each overrides one config key)")
+    for dest, key in FLAG_KEYS.items():
+        old.add_argument(_flag(dest), dest=dest, default=None, metavar="VALUE", help=key)
+    out = p.add_argument_group("output")
+    out.add_argument("--json", action="store_true", help="print one JSON object")
+    out.add_argument("--every", type=int, default=10, help="trajectory print stride (default 10)")
     return p
 
 
-def _sizes(args) -> Optional[list]:
-    if args.client_sizes is not None:
+# --------------------------------------------------------------------------------------------
+# configuration: defaults < preset < --set < older flags, validated by parse_config
+# --------------------------------------------------------------------------------------------
+
+
+def run_overrides(args) -> tuple[dict[str, Any], dict[str, str]]:
+    """The run-config overrides of the command line and where each came from."""
+    overrides: dict[str, Any] = {}
+    origin: dict[str, str] = {}
+    if args.preset:
         try:
-            out = [int(x) for x in args.client_sizes.replace(" ", "").split(",") if x != ""]
-        except ValueError:
-            raise ValueError(f"--client-sizes must be a comma-separated list of integers, got {args.client_sizes!r}")
-        if not out:
-            raise ValueError("--client-sizes is empty")
-        return out
+            preset = load_preset(args.preset)
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ConfigError(f"cannot read preset {args.preset!r}: {exc}") from None
+        overrides.update(preset)
+        origin.update({k: f"preset {args.preset}" for k in preset})
+    sets = launcher.parse_set(args.set)
+    overrides.update(sets)
+    origin.update({k: "--set" for k in sets})
+    for dest, key in FLAG_KEYS.items():
+        raw = getattr(args, dest)
+        if raw is None:
+            continue
+        value = launcher.parse_set([f"{key}={raw}"])[key]  # same TOML rules as --set
+        if dest in _NAME_FLAGS and isinstance(value, str):
+            value = value.strip().lower().replace("_", "-")
+        if key in sets and sets[key] != value:
+            raise ConfigError(f"config key {key!r} is set twice, by --set ({sets[key]!r}) and by "
+                              f"{_flag(dest)} ({value!r})")
+        overrides[key] = value
+        origin[key] = _flag(dest)
+    return overrides, origin
+
+
+def load_config(args) -> tuple[RunConfig, dict[str, str]]:
+    overrides, origin = run_overrides(args)
+    try:
+        return parse_config(overrides), origin
+    except ConfigError as exc:
+        msg = str(exc)
+        flags = sorted({o for k, o in origin.items() if o.startswith("--") and repr(k) in msg})
+        raise ConfigError(msg + (f" (from {', '.join(flags)})" if flags else "")) from None
+
+
+# --------------------------------------------------------------------------------------------
+# data and model: what the server learns at start (shard sizes, number of LoRA modules)
+# --------------------------------------------------------------------------------------------
+
+
+def _parse_sizes(raw: str) -> list[int]:
+    try:
+        sizes = [int(x) for x in raw.replace(" ", "").split(",") if x != ""]
+    except ValueError:
+        raise ConfigError(f"--client-sizes must be a comma-separated list of integers, got {raw!r}") from None
+    if not sizes:
+        raise ConfigError("--client-sizes is empty")
+    if any(n <= 0 for n in sizes):
+        raise ConfigError(f"--client-sizes must be positive integers, got {raw!r}")
+    return sizes
+
+
+def client_sizes(args, cfg: RunConfig) -> tuple[Optional[list[int]], int, str]:
+    """(shard sizes or None when unknown, number of silos, description of the source)."""
+    if args.client_sizes is not None:
+        sizes = _parse_sizes(args.client_sizes)
+        if args.num_clients is not None and args.num_clients != len(sizes):
+            raise ConfigError(f"--client-sizes lists {len(sizes)} silos but --supernodes/--num-clients "
+                              f"is {args.num_clients}")
+        return sizes, len(sizes), f"--client-sizes ({len(sizes)} silos)"
+    n_silos = DEFAULT_SUPERNODES if args.num_clients is None else args.num_clients
+    if n_silos < 1:
+        raise ConfigError(f"--supernodes/--num-clients must be >= 1, got {n_silos}")
+    if n_silos < cfg["strategy.min-nodes"]:  # the server would wait for silos that never come
+        raise ConfigError(f"config key 'strategy.min-nodes' = {cfg['strategy.min-nodes']} exceeds the "
+                          f"{n_silos} silos of --supernodes/--num-clients")
+    silos = f"{n_silos} silos" + (f" (fedpower-run's default --supernodes)" if args.num_clients is None else "")
+    task, cap = cfg["task.name"], cfg["task.max-train"]
     if args.dataset_size is not None:
-        if args.num_clients is None or args.num_clients <= 0:
-            raise ValueError(f"num_clients must be a positive integer, got {args.num_clients!r}")
-        if args.dataset_size < args.num_clients:
-            raise ValueError(f"--dataset-size ({args.dataset_size}) must be >= --num-clients ({args.num_clients})")
-        d, n = args.dataset_size, args.num_clients
-        return [d // n + (1 if i < d % n else 0) for i in range(n)]
-    return None
+        if args.dataset_size < 1:
+            raise ConfigError(f"--dataset-size must be >= 1, got {args.dataset_size}")
+        n, what = args.dataset_size, f"--dataset-size {args.dataset_size}"
+        if task != "synthetic" and cap and cap < n:  # the run keeps a subset of max-train rows
+            n, what = cap, what + f" capped by task.max-train = {cap}"
+    elif task == "synthetic" or cfg["task.data-dir"]:
+        from fedpower_app import data as D  # the run's own loader (local files only)
+
+        try:
+            n = len(D.load_task(cfg).train)
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"config key 'task.data-dir' ({cfg['task.data-dir']!r}): cannot load the "
+                              f"{task} train split: {exc}") from None
+        what = ("task.synthetic-train-size" if task == "synthetic"
+                else f"train split of task.data-dir" + (f", task.max-train = {cap}" if cap else ""))
+    else:
+        return None, n_silos, (f"{silos}; shard sizes unknown: task.name = {task!r} with an empty task.data-dir "
+                               "(the hub copy is not downloaded)")
+    from fedpower_app import data as D
+
+    try:  # the clients' own split (IID, sizes differ by at most one)
+        sizes = [len(D.partition_indices(n, n_silos, i, cfg["seed"])) for i in range(n_silos)]
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"cannot split the training set over the silos: {exc}") from None
+    return sizes, n_silos, f"{n} training examples ({what}) over {silos}"
 
 
-def make_plan(args) -> acc.PrivacyPlan:
-    acc._norm_name(args.method, acc.METHODS, "method")
-    level = acc._norm_name(args.level, acc.LEVELS, "level")
-    sizes = _sizes(args)
-    if level == "sample" and sizes is None:
-        raise ValueError("sample level needs --client-sizes or --dataset-size")
-    return acc.PrivacyPlan(
-        method=args.method, level=level, epsilon=args.epsilon, delta=args.delta,
-        num_rounds=args.rounds, client_rate=args.client_rate, num_clients=args.num_clients,
-        client_sizes=sizes, batch_size=args.batch_size, local_steps=args.local_steps, clip=args.clip,
-        rank=args.rank, num_modules=args.num_modules, refactor_every=args.refactor_every,
-        sample_mode=args.sample_mode, accountant=args.accountant, calibration=args.calibration,
-        pld_interval=args.pld_interval,
-    )
+@functools.lru_cache(maxsize=8)
+def count_lora_modules(model_name: str, target_modules: tuple[str, ...], rank: int) -> tuple[int, list[str], str]:
+    """(number of LoRA modules, targets, architecture) the run adapts: PEFT applied to the model
+    built from its config on the meta device (no weights read, nothing downloaded). Equals
+    ``len(modules)`` of the server's initial adapter state."""
+    import logging
+    import warnings
+
+    import torch
+    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    from fedpower_app import model as M
+
+    try:
+        config = AutoConfig.from_pretrained(M.resolve_model_path(model_name), local_files_only=True)
+    except (OSError, ValueError, RuntimeError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(f"config key 'model.name' ({model_name!r}): no local config for this model, so the "
+                          f"number of LoRA modules is unknown ({first}); pass --num-modules M") from None
+    try:
+        targets = M.target_modules_for(config.model_type, list(target_modules))
+    except ValueError as exc:
+        raise ConfigError(f"config key 'model.target-modules': {exc}") from None
+    hf_log = logging.getLogger("transformers")
+    level = hf_log.level
+    hf_log.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with torch.device("meta"):
+                base = AutoModelForSequenceClassification.from_config(config)
+            peft_model = get_peft_model(base, LoraConfig(r=rank, lora_alpha=rank, target_modules=targets, bias="none"))
+    except ValueError as exc:  # PEFT: targets not found in the model
+        raise ConfigError(f"config key 'model.target-modules' ({','.join(targets)!r}): {exc}") from None
+    finally:
+        hf_log.setLevel(level)
+    modules, _ = M.split_adapter_keys(get_peft_model_state_dict(peft_model))
+    return len(modules), list(targets), str(config.model_type)
 
 
-def run(plan: acc.PrivacyPlan, noise_multiplier: Optional[float]) -> acc.Calibration:
-    if noise_multiplier is None:
-        return acc.calibrate(plan)
-    if plan.calibration == "paper":
-        return acc.epsilon_for_sigma_alg(plan, noise_multiplier)
-    return acc.epsilon_for_noise_multiplier(plan, noise_multiplier)
+def num_modules(args, cfg: RunConfig) -> tuple[int, str]:
+    if args.num_modules is not None:
+        if args.num_modules < 1:
+            raise ConfigError(f"--num-modules must be >= 1, got {args.num_modules}")
+        return args.num_modules, "--num-modules"
+    n, targets, arch = count_lora_modules(cfg["model.name"], tuple(cfg.target_modules), cfg["lora.rank"])
+    return n, f"{cfg['model.name']} ({arch}), targets {','.join(targets)}, counted on the architecture"
+
+
+# --------------------------------------------------------------------------------------------
+# plan: the server's build_privacy
+# --------------------------------------------------------------------------------------------
+
+
+def _accounted(hook) -> bool:
+    """A hook with server-side noise calibrated by ``fedpower_app.accounting`` (plan + calibration)."""
+    return (isinstance(getattr(hook, "plan", None), acc.PrivacyPlan)
+            and isinstance(getattr(hook, "calibration", None), acc.Calibration))
+
+
+def plan_privacy(args) -> dict[str, Any]:
+    """Everything the report needs: config, inputs and the server's privacy hook."""
+    from fedpower_app.privacy import build_privacy
+
+    cfg, origin = load_config(args)
+    out: dict[str, Any] = {"cfg": cfg, "origin": origin}
+    if not cfg.dp_enabled:
+        out["hook"] = build_privacy(cfg, client_sizes=[1], num_modules=1)  # NonPrivate: nothing used
+        return out
+    sizes, n_silos, sizes_src = client_sizes(args, cfg)
+    m, m_src = num_modules(args, cfg)
+    hook = build_privacy(cfg, client_sizes=sizes if sizes is not None else [1] * n_silos, num_modules=m)
+    # Unknown shard sizes are fine only if the plan does not use them (client level).
+    if sizes is None and not (_accounted(hook) and hook.plan.client_sizes is None):
+        raise ConfigError(f"config key 'task.name' = {cfg['task.name']!r} with an empty task.data-dir: the shard "
+                          f"sizes are unknown (the hub copy is not downloaded) and dp.level = {cfg['dp.level']!r} "
+                          "needs them; pass --dataset-size N (rows of the train split) or --client-sizes n1,n2,...")
+    out.update(hook=hook, sizes_source=sizes_src, num_modules=m, modules_source=m_src,
+               noise=noise_table(hook) if _accounted(hook) else None)
+    return out
+
+
+def noise_table(hook) -> dict[str, dict[str, Any]]:
+    """Per round type: each released block's sensitivity and noise std, and the round's totals.
+
+    Delta is the L2 sensitivity of everything released in the round (spec 3.1), i.e.
+    sqrt(sum_j Delta_j^2) of the blocks, and z = (sum_j (Delta_j/s_j)^2)^(-1/2) is the effective
+    multiplier the accountant uses. When every block has the same std s (all methods in rigorous
+    mode except output perturbation), s = z * Delta. Otherwise ``std`` is the single std that gives
+    the same z on the concatenated release (``std_is_equivalent``). Sample level: values at k = 1.
+    Stds are the server's (``hook.noise_stds``), sensitivities ``accounting.block_sensitivities``.
+    """
+    plan, cal = hook.plan, hook.calibration
+    table: dict[str, dict[str, Any]] = {}
+    server_stds = getattr(hook, "noise_stds", None)  # what the strategy asks for (k = realised clients)
+
+    def stds_at(rt: str, k: int) -> list[float]:
+        return [float(s) for s in (server_stds(rt, k) if server_stds else cal.noise_std[rt])]
+
+    for rt in cal.noise_std:
+        stds = stds_at(rt, 1)
+        names = list(acc.BLOCK_NAMES.get(rt, ())) or [f"block{j + 1}" for j in range(len(stds))]
+        z = float(cal.z_per_round_type.get(rt, cal.z))
+        try:
+            sens = [float(d) for d in acc.block_sensitivities(rt, plan.level, plan.clip, k=None, rank=plan.rank,
+                                                               num_modules=plan.num_modules)]
+            sens_k2 = acc.block_sensitivities(rt, plan.level, plan.clip, k=2, rank=plan.rank,
+                                              num_modules=plan.num_modules)
+        except ValueError:  # a release the sensitivity table does not know: report the stds only
+            sens, sens_k2 = None, None
+        entry: dict[str, Any] = {
+            "z": z,
+            "blocks": [{"name": n, "delta": None if sens is None else sens[j], "std": s}
+                       for j, (n, s) in enumerate(zip(names, stds))],
+            "std_scales_with_k": stds_at(rt, 2) != stds,
+            "delta_depends_on_k": sens is not None and [float(d) for d in sens_k2] != sens,
+        }
+        if sens is not None and len(sens) == len(stds):
+            delta = math.sqrt(sum(d * d for d in sens))
+            same = max(stds) - min(stds) <= 1e-12 * max(stds)
+            entry.update(delta=delta, std=stds[0] if same else z * delta, std_is_equivalent=not same,
+                         z_from_blocks=acc.effective_z(sens, stds))
+        table[rt] = entry
+    return table
+
+
+# --------------------------------------------------------------------------------------------
+# report
+# --------------------------------------------------------------------------------------------
 
 
 def _fmt(x: Optional[float], nd: int = 6) -> str:
@@ -118,11 +353,32 @@ def _fmt(x: Optional[float], nd: int = 6) -> str:
     return f"{x:.{nd}g}"
 
 
-def render(plan: acc.PrivacyPlan, cal: acc.Calibration, every: int) -> str:
-    L = []
+def _g(x: float) -> str:  # the noise table: 8 significant digits, so std = z*Delta checks to 1e-7
+    return f"{x:.8g}"
+
+
+def _config_line(cfg: RunConfig, origin: dict[str, str], preset: Optional[str]) -> str:
+    if not origin:
+        return "config: pyproject.toml defaults (the run of `fedpower-run` without arguments)"
+    parts = [f"preset {preset}"] if preset else []
+    cli = [f"{k}={cfg[k]!r} ({o})" for k, o in origin.items() if not o.startswith("preset")]
+    return "config: pyproject.toml defaults + " + ", ".join(parts + cli)
+
+
+def render(res: dict[str, Any], every: int, preset: Optional[str] = None) -> str:
+    cfg, hook = res["cfg"], res["hook"]
+    L = [_config_line(cfg, res["origin"], preset)]
+    if "sizes_source" in res:
+        L.append(f"data: task {cfg['task.name']}, {res['sizes_source']}")
+        L.append(f"model: {res['num_modules']} LoRA modules ({res['modules_source']})")
+    if not _accounted(hook):  # non-private run, or a hook this report has no table for: its own summary
+        where = f", dp.noise-at={cfg.values['dp.noise-at']}" if "dp.noise-at" in cfg.values else ""
+        L.insert(0, f"fedpower-privacy: method={cfg['strategy.name']}, dp.level={cfg['dp.level']}{where}")
+        return "\n".join(L + list(hook.summary_lines()))
+    plan, cal = hook.plan, hook.calibration
     mode = f" ({plan.sample_mode})" if plan.level == "sample" else ""
-    L.append(f"fedpower-privacy: method={plan.method}, {plan.level} level{mode}, "
-             f"accountant={plan.accountant}, calibration={cal.mode}")
+    L.insert(0, f"fedpower-privacy: method={plan.method}, {plan.level} level{mode}, "
+                f"accountant={plan.accountant}, calibration={cal.mode}")
     L.append("inputs:")
     L.append(f"  target epsilon={_fmt(plan.epsilon)}  delta={plan.delta:g}  rounds T={plan.num_rounds}  "
              f"client rate q_c={_fmt(plan.client_rate)}  clients N={plan.num_clients}")
@@ -140,24 +396,38 @@ def render(plan: acc.PrivacyPlan, cal: acc.Calibration, every: int) -> str:
         L.append("effective noise multiplier per round type (worst case k=1): "
                  + ", ".join(f"{rt} z={_fmt(z)}" for rt, z in cal.z_per_round_type.items()))
     else:
-        what = "calibrated" if cal.mode == "rigorous" else "given"
+        what = {"rigorous": "calibrated", "fixed-z": "given by dp.noise-multiplier"}.get(cal.mode, cal.mode)
         L.append(f"effective noise multiplier z = {_fmt(cal.z)} ({what}; the same in every round)")
-    L.append("noise std per block (per entry):")
-    for rt, stds in cal.noise_std.items():
-        names = acc.BLOCK_NAMES[rt]
-        sens = acc.block_sensitivities(rt, plan.level, plan.clip, k=None, rank=plan.rank,
-                                       num_modules=plan.num_modules)
-        blocks = ", ".join(f"{n}: s={_fmt(s)} (Delta={_fmt(d)})" for n, s, d in zip(names, stds, sens))
-        extra = ""
-        if plan.level == "sample" and rt not in ("powerdp", "output"):
-            extra = ("   [at k=1; the server divides by the realised k]" if cal.mode != "paper"
-                     else "   [fixed; Delta shown at k=1]")
-        L.append(f"  {rt:8s} {blocks}{extra}")
+    L.append("noise per round type: Delta = L2 sensitivity of everything released in the round (spec 3.1), "
+             "std = noise std per entry, z = std/Delta")
+    for rt, e in res["noise"].items():
+        blocks = e["blocks"]
+        if "delta" not in e:  # no sensitivity known for this release: stds only
+            L.append(f"  {rt:8s} z={_g(e['z'])}  stds " + ", ".join(f"{b['name']} {_g(b['std'])}" for b in blocks))
+            continue
+        eq = e["std_is_equivalent"]
+        line = (f"  {rt:8s} Delta{'_eff' if eq else ''}={_g(e['delta'])}  std{'_eq' if eq else ''}={_g(e['std'])}  "
+                f"z={_g(e['z'])}")
+        if len(blocks) == 1:
+            line += f"  ({blocks[0]['name']})"
+        if plan.level == "sample" and e["std_scales_with_k"]:
+            line += "  [at k=1; with k clients aggregated the server uses std/k, as Delta is then Delta/k]"
+        elif plan.level == "sample" and e["delta_depends_on_k"]:
+            line += "  [fixed std; Delta at k=1, the worst case]"
+        L.append(line)
+        if len(blocks) > 1:
+            L.append("           blocks: " + ", ".join(f"{b['name']} Delta={_g(b['delta'])} std={_g(b['std'])}"
+                                                       for b in blocks)
+                     + "; Delta = sqrt(sum_j Delta_j^2)"
+                     + ("; z = (sum_j (Delta_j/std_j)^2)^-1/2, std_eq = z*Delta_eff (one std on every block "
+                        "with the same privacy)" if eq else ""))
+        if abs(e["z_from_blocks"] - e["z"]) > 1e-9 * e["z"]:
+            L.append(f"  WARNING: z of the blocks (sum_j (Delta_j/std_j)^2)^-1/2 = {_g(e['z_from_blocks'])} differs "
+                     f"from the calibration's z = {_g(e['z'])}")
     L.append(f"epsilon trajectory (delta={plan.delta:g}, {cal.trajectory_accountant}):")
     T = len(cal.trajectory)
     stride = max(1, int(every))
-    shown = sorted(set([1] + list(range(stride, T + 1, stride)) + [T]))
-    for t in shown:
+    for t in sorted(set([1] + list(range(stride, T + 1, stride)) + [T])):
         L.append(f"  t={t:<6d} epsilon={cal.trajectory[t - 1]:.4f}")
     if cal.mode == "paper":
         L.append(f"claimed epsilon {_fmt(plan.epsilon)}; TRUE epsilon after T={plan.num_rounds}: "
@@ -172,29 +442,43 @@ def render(plan: acc.PrivacyPlan, cal: acc.Calibration, every: int) -> str:
     return "\n".join(L)
 
 
+def to_json(res: dict[str, Any]) -> dict[str, Any]:
+    hook = res["hook"]
+    out: dict[str, Any] = {"config": res["cfg"].to_dict(), "privacy": hook.describe()}
+    if "sizes_source" in res:
+        out.update(data=res["sizes_source"], num_modules=res["num_modules"], modules=res["modules_source"])
+    if _accounted(hook):
+        out.update(plan=hook.plan.to_dict(), pi=hook.plan.pi, calibration=hook.calibration.to_dict(),
+                   noise=res["noise"], source=getattr(hook, "source", None))
+    return out
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(list(argv) if argv is not None else None)
     except _ArgError as e:
-        print(f"fedpower-privacy: error: {e}", file=sys.stderr)
-        parser.print_usage(sys.stderr)
+        print(f"fedpower-privacy: error: {e} (see fedpower-privacy --help)", file=sys.stderr)
         return 2
     except SystemExit as e:  # --help
         return int(e.code or 0)
     try:
         if args.every <= 0:
             raise ValueError(f"--every must be a positive integer, got {args.every}")
-        plan = make_plan(args)
-        cal = run(plan, args.noise_multiplier)
-    except ValueError as e:
-        print(f"fedpower-privacy: error: {e}", file=sys.stderr)
+        res = plan_privacy(args)
+    except ValueError as e:  # ConfigError is a ValueError; so are the accountant's input errors
+        print(f"fedpower-privacy: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
-    if args.json:
-        print(json.dumps({"plan": plan.to_dict(), "pi": plan.pi, "calibration": cal.to_dict()},
-                         allow_nan=False))
-    else:
-        print(render(plan, cal, args.every))
+    try:
+        if args.json:
+            print(json.dumps(to_json(res), allow_nan=False))
+        else:
+            print(render(res, args.every, args.preset))
+        sys.stdout.flush()
+    except BrokenPipeError:  # e.g. `fedpower-privacy | head`
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
 
 

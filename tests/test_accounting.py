@@ -1,4 +1,4 @@
-"""Tests of fedpower_app.accounting / privacy_cli against the privacy spec's test vectors.
+"""Tests of fedpower_app.accounting against the privacy spec's test vectors.
 
 Spec: docs/privacy-accounting.md of the shared project docs (sections 6.1, 6.2, 6.3).
 Settings of the paper: N = 6, q_c = 0.5, T = 200, delta = 1e-5, b = 128, SST-2 n = 67349 split
@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 
 from fedpower_app import accounting as A
-from fedpower_app import privacy_cli
 
 DELTA = 1e-5
 SST2_SIZES = [11225] * 6
@@ -515,58 +514,7 @@ def test_ledger_noise_for_realised_k():
     assert ledger.noise_stds_for_round("ffa", k=0) == pytest.approx([z * 2 * 2.0])
 
 
-# ------------------------------------------------------------------------------------------
-# CLI
-# ------------------------------------------------------------------------------------------
-
-CLI_SAMPLE = ["--method", "fedpower", "--level", "sample", "--epsilon", "3", "--rounds", "200",
-              "--client-rate", "0.5", "--num-clients", "6", "--dataset-size", "67349",
-              "--batch-size", "128", "--local-steps", "1", "--every", "50"]
-
-
-def test_cli_report(capsys):
-    assert privacy_cli.main(CLI_SAMPLE) == 0
-    out = capsys.readouterr().out
-    assert "effective noise multiplier z = 0.730" in out
-    assert "t=200" in out and "t=50 " in out
-    assert "valid DP guarantee: yes" in out
-
-
-def test_cli_json(capsys):
-    assert privacy_cli.main(CLI_SAMPLE + ["--json", "--sample-mode", "product"]) == 0
-    d = json.loads(capsys.readouterr().out)
-    assert d["calibration"]["z"] == pytest.approx(0.6705, rel=1e-3)
-    assert d["calibration"]["is_valid_guarantee"] is False
-    assert len(d["calibration"]["trajectory"]) == 200
-    assert d["plan"]["client_sizes"] == [11225] + [11225] * 4 + [11224]
-
-
-def test_cli_fixed_noise_and_paper(capsys):
-    assert privacy_cli.main(CLI_SAMPLE + ["--noise-multiplier", "0.8", "--json"]) == 0
-    d = json.loads(capsys.readouterr().out)
-    assert d["calibration"]["mode"] == "fixed-z" and d["calibration"]["z"] == 0.8
-    assert d["calibration"]["epsilon"] < 3.0
-    assert privacy_cli.main(CLI_SAMPLE + ["--calibration", "paper"]) == 0
-    out = capsys.readouterr().out
-    assert "NOT a valid DP guarantee" in out and "TRUE epsilon" in out
-
-
-@pytest.mark.parametrize(
-    "argv,msg",
-    [
-        (["--epsilon", "3"], "required"),
-        (CLI_SAMPLE + ["--client-rate", "1.5"], "client_rate"),
-        (CLI_SAMPLE[:-2] + ["--method", "nope"], "valid choices"),
-        (["--level", "sample", "--epsilon", "3", "--rounds", "10", "--client-rate", "0.5",
-          "--num-clients", "6"], "--client-sizes"),
-        (CLI_SAMPLE[:12] + ["--client-sizes", "10,x"], "--client-sizes"),
-        (CLI_SAMPLE + ["--epsilon", "abc"], "invalid float"),
-    ],
-)
-def test_cli_errors(argv, msg, capsys):
-    assert privacy_cli.main(argv) == 2
-    err = capsys.readouterr().err
-    assert "error" in err and msg in err
+# The fedpower-privacy CLI is tested in tests/test_privacy_cli.py.
 
 
 def test_pld_epsilon_overflow_fallback():
