@@ -207,7 +207,9 @@ class SiloDPSGD:
             f"privacy: sample-level DP by DP-SGD on the silos, target (eps={self.epsilon_target:g}, "
             f"delta={self.delta:g}), accountant {self.accountant}",
             f"privacy: sigma={self.sigma:.4f} ({self.source}), per-example clip C={self.clip_norm:g}, b={self.batch_size}, "
-            f"L={self.local_steps}, max q={q:.5f}; noise std on each step's mean gradient sigma*C/b="
+            f"L={self.local_steps}, max q={q:.5f}",
+            f"privacy: each step: Delta=C={self.clip_norm:g} (one example added/removed), noise std on the clipped sum "
+            f"sigma*C={self.sigma * self.clip_norm:.4g}, on the mean gradient sigma*C/b="
             f"{self.sigma * self.clip_norm / self.batch_size:.3g}",
             f"privacy: a silo that trains all T={self.num_rounds} rounds ends at eps {self.planned_epsilon:.3f}; "
             f"no silo is sent a round past eps {self.epsilon_target:g}",
