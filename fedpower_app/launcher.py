@@ -17,8 +17,8 @@ What it does, in order:
    --isolation subprocess --host 127.0.0.1 --port <port> --database :flwr-in-memory:
    --disable-runtime-dependency-installation``, in a new session (``start_new_session=True``), and
    waits until its HTTP API (Control, Fleet and Runtime APIs share one port in Flower 1.41)
-   answers ``/health``. The port: free, and stable per ``--flwr-home`` when that port is free. A
-   port that already answers is refused (never reuse a SuperLink someone else started). Its
+   answers ``/health``. The port: free, and stable per ``--flwr-home`` when that port is free; a
+   busy requested port is replaced by a free one (never share a SuperLink someone else started). Its
    output goes to ``$FLWR_HOME/fedpower-run/<pid>-<port>/superlink.log``, kept only if it fails
    to start.
 3. **Runs** ``flwr run <app> fedpower-run --stream`` against it. The connection
@@ -119,6 +119,9 @@ VERBOSE_ENV = {"FLWR_LOG_LEVEL": "DEBUG", "FEDPOWER_VERBOSE": "1"}
 
 CONNECTION = "fedpower-run"  # name of the connection in the private CLI home
 SUPERLINK_START_TIMEOUT = 60.0
+# run_flwr(timeout=T) interrupts `flwr run` at T + this: a caller's own watchdog on the same T
+# (fedpower-experiment's) acts first and can tell that it did.
+TIMEOUT_GRACE_SECONDS = 1.0
 STOP_GRACE_SECONDS = 3.0  # flwr-simulation and Ray can take longer than this on SIGTERM; they get SIGKILL
 
 
@@ -133,6 +136,7 @@ class RunOutcome:
     returncode: int
     seconds: float
     output: str
+    timed_out: bool = False  # run_flwr(timeout=...) had to stop `flwr run`
 
     @property
     def ok(self) -> bool:
@@ -458,22 +462,27 @@ class LocalSuperLink:
         return self.proc is not None and self.proc.poll() is None
 
     def start(self, timeout: float = SUPERLINK_START_TIMEOUT) -> "LocalSuperLink":
-        attempts = 1 if self.requested_port else 3  # a free port can be taken between probe and bind
-        for attempt in range(attempts):
-            preferred = self.preferred_port if attempt == 0 and _port_is_free(self.preferred_port) else None
-            self.port = self.requested_port or preferred or free_port()
-            if _health(self.port):
-                raise LauncherError(
-                    f"port {self.port} already serves a SuperLink this process did not start (left over from "
-                    "an earlier `flwr run` with the `:local:` connection?); stop it or choose another port")
+        for attempt in range(3):  # a free port can be taken between probe and bind
+            self.port = self._pick_port(attempt)
             try:
                 self._spawn(timeout)
                 return self
             except LauncherError:
-                if attempt == attempts - 1 or not self._port_was_taken():
+                if attempt == 2 or not self._port_was_taken():
                     raise
                 shutil.rmtree(self.run_dir, ignore_errors=True)
         return self  # pragma: no cover
+
+    def _pick_port(self, attempt: int) -> int:
+        wanted = self.requested_port or self.preferred_port
+        if attempt == 0 and wanted and _port_is_free(wanted):
+            return wanted
+        if attempt == 0 and self.requested_port:  # never share a SuperLink someone else started
+            port = free_port()
+            print(f"fedpower-run: port {self.requested_port} is in use (by a SuperLink or anything else this "
+                  f"process did not start); its own SuperLink takes port {port}", file=sys.stderr, flush=True)
+            return port
+        return free_port()
 
     def _port_was_taken(self) -> bool:
         text = self.log_path.read_text(errors="replace") if self.log_path and self.log_path.exists() else ""
@@ -552,7 +561,7 @@ def _stop_all_at_exit() -> None:
 
 def _kept_superlink(home: Path, port: int | None) -> LocalSuperLink | None:
     for link in _STARTED:
-        if link.home == home and (port is None or link.port == port) and link.alive():
+        if link.home == home and (port is None or port in (link.port, link.requested_port)) and link.alive():
             return link
     return None
 
@@ -811,12 +820,13 @@ def run_flwr(
             link = LocalSuperLink(flwr_home, superlink_port, verbose=verbose).start()
             if echo and verbose:
                 print(f"fedpower-run: SuperLink pid {link.pid} on {link.address} (log {link.log_path})", flush=True)
-        run_id, returncode, output = _stream(cmd, link.cli_env, echo=echo, verbose=verbose, timeout=timeout, t0=t0)
+        run_id, returncode, output, timed_out = _stream(cmd, link.cli_env, echo=echo, verbose=verbose,
+                                                        timeout=timeout, t0=t0)
         status = run_status(run_id, link.cli_env, CONNECTION) if run_id else "not-started"
         if run_id and not status.startswith("finished"):  # timed out or interrupted: do not leave it running
             _stop_run(run_id, link.cli_env)
             status = run_status(run_id, link.cli_env, CONNECTION)
-        return RunOutcome(run_id, status, returncode, time.time() - t0, output)
+        return RunOutcome(run_id, status, returncode, time.time() - t0, output, timed_out)
     finally:
         if link is not None and (started_here and not keep_superlink or not link.alive()):
             pids = link.stop()
@@ -826,18 +836,23 @@ def run_flwr(
 
 
 def _stream(cmd: list[str], env: dict[str, str], *, echo: bool, verbose: bool, timeout: float | None,
-            t0: float) -> tuple[str | None, int, str]:
-    """Run ``flwr run --stream``, echo its (filtered) output; (run id, exit code, full output).
+            t0: float) -> tuple[str | None, int, str, bool]:
+    """Run ``flwr run --stream``, echo its (filtered) output; (run id, exit code, full output,
+    whether the timeout stopped it).
 
     ``timeout`` counts from ``t0`` (SuperLink start included) and is enforced by a timer, also when
-    ``flwr run`` prints nothing: SIGINT, then SIGTERM 5 s later if it is still there.
+    ``flwr run`` prints nothing: SIGINT (after :data:`TIMEOUT_GRACE_SECONDS` more), then SIGTERM
+    5 s later if it is still there.
     """
     proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, bufsize=1, errors="replace")
     timers: list[threading.Timer] = []
 
+    expired: list[int] = []
+
     def expire(sig: int) -> None:
         if proc.poll() is None:
+            expired.append(sig)
             proc.send_signal(sig)
             if sig == signal.SIGINT:
                 later = threading.Timer(5.0, expire, (signal.SIGTERM,))
@@ -846,7 +861,8 @@ def _stream(cmd: list[str], env: dict[str, str], *, echo: bool, verbose: bool, t
                 later.start()
 
     if timeout is not None:
-        timers.append(threading.Timer(max(0.0, t0 + timeout - time.time()), expire, (signal.SIGINT,)))
+        delay = max(0.0, t0 + timeout + TIMEOUT_GRACE_SECONDS - time.time())
+        timers.append(threading.Timer(delay, expire, (signal.SIGINT,)))
         timers[0].daemon = True
         timers[0].start()
     console = ConsoleFilter()
@@ -877,7 +893,7 @@ def _stream(cmd: list[str], env: dict[str, str], *, echo: bool, verbose: bool, t
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-    return run_id, proc.returncode or 0, "".join(lines)
+    return run_id, proc.returncode or 0, "".join(lines), bool(expired)
 
 
 # ------------------------------------------------------------------------------------------------

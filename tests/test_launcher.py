@@ -214,7 +214,7 @@ def test_completed_run_stops_the_superlink_and_returns_the_status(fake_superlink
     def stream(cmd, env, **kwargs):
         seen["pids"] = fake_superlink()
         seen["config"] = (Path(env["FLWR_HOME"]) / "config.toml").read_text()
-        return "42", 0, "Successfully started run 42\n"
+        return "42", 0, "Successfully started run 42\n", False
 
     monkeypatch.setattr(L, "_stream", stream)
     monkeypatch.setattr(L, "run_status", lambda run_id, env, connection=None: "finished:completed")
@@ -228,7 +228,7 @@ def test_completed_run_stops_the_superlink_and_returns_the_status(fake_superlink
 
 def test_kept_superlink_is_reused_then_stopped_by_pid(fake_superlink, tmp_path, monkeypatch):
     """Library use (fedpower-experiment): one SuperLink for several runs, stopped by stop_local_superlink."""
-    monkeypatch.setattr(L, "_stream", lambda cmd, env, **kw: ("1", 0, ""))
+    monkeypatch.setattr(L, "_stream", lambda cmd, env, **kw: ("1", 0, "", False))
     monkeypatch.setattr(L, "run_status", lambda run_id, env, connection=None: "finished:completed")
     home = tmp_path / "home"
     before = list(L._STARTED)
@@ -297,7 +297,7 @@ def test_timeout_stops_a_silent_flwr_run(fake_superlink, tmp_path, monkeypatch):
     t0 = time.time()
     outcome = L.run_flwr(PROJECT_ROOT, {}, flwr_home=tmp_path / "home", echo=False, timeout=1.5, keep_superlink=False)
     assert time.time() - t0 < 20
-    assert outcome.status == "not-started" and not outcome.ok
+    assert outcome.status == "not-started" and not outcome.ok and outcome.timed_out
     assert _wait_gone(fake_superlink()) == []
 
 
@@ -338,10 +338,29 @@ def test_real_superlink_starts_and_stops(tmp_path):
     assert not L._health(link.port)
 
 
-def test_a_port_held_by_someone_else_is_refused(tmp_path, monkeypatch):
-    monkeypatch.setattr(L, "_health", lambda port: True)
-    with pytest.raises(L.LauncherError, match="did not start"):
-        L.LocalSuperLink(tmp_path / "home", 45678).start()
+def test_a_busy_port_is_never_shared(fake_superlink, tmp_path, monkeypatch, capsys):
+    """A requested port someone else holds (e.g. a SuperLink of a concurrent test session): this process
+    starts its own SuperLink on a free port instead of talking to theirs; later calls for the same
+    port reuse it."""
+    import socket
+
+    monkeypatch.setattr(L, "_stream", lambda cmd, env, **kw: ("1", 0, "", False))
+    monkeypatch.setattr(L, "run_status", lambda run_id, env, connection=None: "finished:completed")
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        busy = other.getsockname()[1]
+        home = tmp_path / "home"
+        L.run_flwr(PROJECT_ROOT, {}, flwr_home=home, superlink_port=busy, echo=False)
+        link = L._kept_superlink(home.resolve(), busy)
+        try:
+            assert link is not None and link.port != busy and link.requested_port == busy
+            assert f"port {busy} is in use" in capsys.readouterr().err
+            L.run_flwr(PROJECT_ROOT, {}, flwr_home=home, superlink_port=busy, echo=False)
+            assert L._kept_superlink(home.resolve(), busy) is link
+        finally:
+            L.stop_local_superlink(home)
+    assert _wait_gone(fake_superlink()) == []
 
 
 def test_no_pkill_and_no_stop_superlink_flag():
