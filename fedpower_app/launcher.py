@@ -377,9 +377,13 @@ def _children(p) -> list:
 
 class _DeferSignals:
     """Within the block, Ctrl-C / SIGTERM / SIGHUP are recorded instead of interrupting the cleanup;
-    the first one is raised (as KeyboardInterrupt) when the block ends. Main thread only."""
+    the first one is raised (as KeyboardInterrupt) when the block ends, unless ``reraise=False``.
+    Main thread only."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+    def __init__(self, reraise: bool = True) -> None:
+        self.reraise = reraise
 
     def __enter__(self):
         self.received: list[int] = []
@@ -392,7 +396,7 @@ class _DeferSignals:
     def __exit__(self, *exc):
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
-        if self.received and exc[0] is None:
+        if self.received and exc[0] is None and self.reraise:
             raise _Terminated(self.received[0]) if self.received[0] != signal.SIGINT else KeyboardInterrupt()
 
 
@@ -1054,7 +1058,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     finally:
         if subreaper:
-            with _DeferSignals():
+            with _DeferSignals(reraise=False):  # main is ending anyway
                 _stop_orphans()
         for sig, handler in previous.items():
             signal.signal(sig, handler)

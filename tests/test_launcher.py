@@ -301,6 +301,19 @@ def test_timeout_stops_a_silent_flwr_run(fake_superlink, tmp_path, monkeypatch):
     assert _wait_gone(fake_superlink()) == []
 
 
+def test_a_second_ctrl_c_does_not_interrupt_the_cleanup():
+    with pytest.raises(KeyboardInterrupt):
+        with L._DeferSignals():
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.2)  # the cleanup goes on
+            done = True
+    assert done
+    with L._DeferSignals(reraise=False):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.2)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
 def test_terminate_tree_escalates_to_sigkill(tmp_path):
     stubborn = subprocess.Popen([sys.executable, "-c", "import signal, subprocess, sys, time; "
                                  "signal.signal(signal.SIGTERM, signal.SIG_IGN); "
