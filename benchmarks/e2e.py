@@ -16,10 +16,7 @@ The CPU preset is pyproject.toml's defaults (synthetic task, MiniLM, 6 silos, cl
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import socket
-import sys
 import tempfile
 import time
 import uuid
@@ -46,58 +43,22 @@ def _fresh_model(cfg, num_labels):
 # ----------------------------------------------------------------------------------------------
 # flwr run
 # ----------------------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _pids_with(needle: str) -> list[int]:
-    out = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            except OSError:
-                continue
-            if needle in cmd:
-                out.append(int(d.name))
-    return out
-
-
 class FlwrSession:
-    """A private FLWR_HOME and private SuperLink ports, so concurrent users of this machine's
-    default local SuperLink (127.0.0.1:39091) are neither reused nor disturbed. The managed
-    SuperLink this session starts is stopped by PID at the end."""
+    """A private FLWR_HOME and the app snapshot for the benchmark's ``flwr run`` cases.
+    ``run_flwr`` starts a SuperLink of its own for this home (reused across cases); it is stopped
+    by PID at the end (``stop_local_superlink``), never by matching process names."""
 
     def __init__(self, workdir: Path) -> None:
         self.home = workdir / "flwr-home"
         self.app_dir = app_snapshot(workdir)
-        self.http_port, self.control_port = _free_port(), _free_port()
-        self.env_backup = {k: os.environ.get(k) for k in ("FLWR_LOCAL_SUPERLINK_HTTP_API_PORT",
-                                                          "FLWR_LOCAL_CONTROL_API_PORT", "PATH")}
 
     def __enter__(self):
-        os.environ["FLWR_LOCAL_SUPERLINK_HTTP_API_PORT"] = str(self.http_port)
-        os.environ["FLWR_LOCAL_CONTROL_API_PORT"] = str(self.control_port)
-        # `flwr run` spawns `flower-superlink` by name: make the venv's bin dir visible.
-        bindir = str(Path(sys.executable).parent)
-        if bindir not in os.environ.get("PATH", "").split(os.pathsep):
-            os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
         return self
 
     def __exit__(self, *exc):
-        for pid in _pids_with(f"--port {self.http_port}"):
-            if "flower-superlink" in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"):
-                try:
-                    os.kill(pid, 15)
-                except OSError:
-                    pass
-        for k, v in self.env_backup.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        from fedpower_app.launcher import stop_local_superlink
+
+        stop_local_superlink(self.home)
 
 
 APP_PARTS = ("pyproject.toml", "README.md", "LICENSE", "fedpower_app", "strategies", "client_app", "server_app")

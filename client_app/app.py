@@ -28,7 +28,7 @@ from fedpower_app import data as D
 from fedpower_app import model as M
 from fedpower_app.config import RunConfig, parse_config
 from fedpower_app.dp_sgd import DPSGDParams, dp_sgd_train_local
-from fedpower_app.silo_ledger import SiloLedger, SiloRefusal, silo_admits
+from fedpower_app.accounting.silo import SiloLedger, SiloRefusal, silo_admits
 from fedpower_app.training import evaluate as evaluate_model
 from fedpower_app.training import silo_randomness, train_local
 from strategies.noise import NoiseSource

@@ -15,7 +15,7 @@ from strategies.privacy_contract import BudgetExhausted, NoPrivacy, ServerSideDe
 
 from . import accounting as A
 from .config import RunConfig
-from .silo_ledger import SiloLedger, calibrate_noise_multiplier, dp_sgd_epsilon
+from .accounting.silo import SiloLedger, calibrate_noise_multiplier, dp_sgd_epsilon
 
 log = logging.getLogger("fedpower")
 

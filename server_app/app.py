@@ -112,15 +112,21 @@ def _mb(n: int) -> str:
     return f"{n / 1e6:.2f} MB"
 
 
+# What the server does in a round when the noise is added on the silos (DP-SGD): no server noise.
+SILO_DP_ROUND_LABELS = {"powerdp": "refactor, DP-SGD on silos", "fedlora": "average, DP-SGD on silos",
+                        "ffa": "average B, DP-SGD on silos"}
+
+
 def progress_line(report: RoundReport, metrics: MetricRecord | None, num_rounds: int, epsilon_target, wall: float,
-                  round_seconds: float | None = None) -> str:
+                  round_seconds: float | None = None, label: str | None = None) -> str:
     acc = f"acc {metrics['accuracy']:.4f} loss {metrics['loss']:.4f}" if metrics is not None else "acc -"
     if report.epsilon is None:
         eps = "eps n/a (non-private)"
     else:
         eps = f"eps {report.epsilon:.3f}" + (f"/{epsilon_target:g}" if epsilon_target else "")
-    return (f"[round {report.server_round}/{num_rounds} {report.round_type}] {acc} | {eps} | clients "
-            f"{report.sampled} sampled, {report.aggregated} aggregated, {len(report.dropped)} dropped | "
+    over = f" ({report.over_budget} more at their budget)" if report.over_budget else ""
+    return (f"[round {report.server_round}/{num_rounds} {label or report.round_type}] {acc} | {eps} | clients "
+            f"{report.sampled} sampled{over}, {report.aggregated} aggregated, {len(report.dropped)} dropped | "
             f"up {_mb(report.bytes_up)} down {_mb(report.bytes_down)} | server {report.aggregation_seconds:.2f} s "
             + (f"| round {round_seconds:.1f} s " if round_seconds is not None else "") + f"| elapsed {wall:.1f} s")
 
@@ -186,8 +192,9 @@ def _run(grid: Grid, cfg: RunConfig, run_dir: Path, results: ResultsWriter) -> N
         paper = getattr(privacy, "source", None) == "paper"
         target = cfg["dp.epsilon"] if privacy.enabled and not paper else None
         previous = results.data["rounds"][-2]["wall_seconds"] if len(results.data["rounds"]) > 1 else 0.0
+        label = SILO_DP_ROUND_LABELS.get(report.round_type) if privacy.noise_at == "silo" else None
         line = progress_line(report, metrics, cfg["num-server-rounds"], target, row["wall_seconds"],
-                             row["wall_seconds"] - previous)
+                             row["wall_seconds"] - previous, label)
         if paper:  # the paper's calibration: show the true epsilon, never the claimed one as a budget
             line = line.replace("| eps ", f"| TRUE eps (paper claims {cfg['dp.epsilon']:g}) ")
         log.info("%s", line)

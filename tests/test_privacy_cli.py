@@ -20,7 +20,7 @@ from fedpower_app.privacy import build_privacy
 
 # Server-side noise (the paper's mechanisms). When the config has dp.noise-at, its default is DP-SGD
 # on the silos at sample level; the sensitivity table is about the server-side releases.
-SERVER = {"dp.noise-at": "server"} if "dp.noise-at" in SCHEMA else {}
+SERVER = {"dp.noise-at": "server", "dp.clip": 2.0}  # the paper's server-side noise, with C = 2
 SERVER_ARGS = [a for k, v in SERVER.items() for a in ("--set", f"{k}={v}")]
 
 METHOD_ROUND_TYPE = {"fedpower": "powerdp", "fedlora": "fedlora", "ffa-lora": "ffa",
@@ -34,6 +34,9 @@ SPEC_DELTA = {
     ("input", "sample"): 2 * C, ("input", "client"): C,
     ("output", "sample"): 2 * math.sqrt(M * R + C * C), ("output", "client"): 2 * math.sqrt(M * R + C * C),
 }
+
+# the default run: the generated training set split over fedpower-run's 6 silos
+DEFAULT_SIZES = [parse_config({})["task.synthetic-train-size"] // 6] * 6
 
 
 def run_json(argv, capsys) -> dict:
@@ -58,25 +61,27 @@ def expected(overrides: dict, sizes: list[int], num_modules: int = M) -> dict:
 
 def test_no_arguments_plans_the_default_run(capsys):
     d = run_json([], capsys)
-    hook = build_privacy(parse_config({}), client_sizes=[500] * 6, num_modules=12)
+    hook = build_privacy(parse_config({}), client_sizes=DEFAULT_SIZES, num_modules=12)
     assert d["config"] == parse_config({}).to_dict()
     assert d["num_modules"] == 12
     assert d["privacy"] == json.loads(json.dumps(hook.describe(), allow_nan=False))
     if hasattr(hook, "calibration"):  # server-side noise: z and epsilon
         assert d["calibration"]["z"] == pytest.approx(hook.calibration.z, rel=1e-9)
         assert d["calibration"]["epsilon"] == pytest.approx(hook.calibration.epsilon, rel=1e-9)
-        assert d["plan"]["client_sizes"] == [500] * 6
+        assert d["plan"]["client_sizes"] == DEFAULT_SIZES
     out = run_text([], capsys)
-    assert "config: pyproject.toml defaults" in out and "3000 training examples" in out and "6 silos" in out
+    assert "config: pyproject.toml defaults" in out and f"{6 * DEFAULT_SIZES[0]} training examples" in out and "6 silos" in out
 
 
 def test_default_run_with_server_noise_z_and_epsilon(capsys):
     d = run_json(SERVER_ARGS, capsys)
-    hook = build_privacy(parse_config(SERVER), client_sizes=[500] * 6, num_modules=12)
+    hook = build_privacy(parse_config(SERVER), client_sizes=DEFAULT_SIZES, num_modules=12)
     assert d["calibration"]["z"] == pytest.approx(hook.calibration.z, rel=1e-9)
     assert d["calibration"]["epsilon"] == pytest.approx(hook.calibration.epsilon, rel=1e-9)
     assert d["plan"] == hook.plan.to_dict()
-    assert d["plan"]["num_rounds"] == 12 and d["plan"]["local_steps"] == 5 and d["plan"]["batch_size"] == 32
+    cfg = parse_config(SERVER)
+    assert d["plan"]["num_rounds"] == cfg["num-server-rounds"] and d["plan"]["local_steps"] == cfg["train.local-steps"]
+    assert d["plan"]["batch_size"] == cfg["train.batch-size"]
     assert d["plan"]["clip"] == 2.0 and d["plan"]["num_modules"] == 12
 
 
@@ -151,7 +156,7 @@ def test_printed_std_is_z_times_printed_delta(method, level, calibration, capsys
     over = {"strategy.name": method, "dp.level": level, "dp.calibration": calibration, **SERVER}
     argv = [a for k, v in over.items() for a in ("--set", f"{k}={v}")]
     rt = METHOD_ROUND_TYPE[method]
-    hook = build_privacy(parse_config(over), client_sizes=[500] * 6, num_modules=M)
+    hook = build_privacy(parse_config(over), client_sizes=DEFAULT_SIZES, num_modules=M)
     server_stds = hook.noise_stds(rt, 1)  # what the strategy adds (k = 1 aggregated client)
 
     # JSON: full precision.

@@ -18,7 +18,7 @@ SIZES = [500] * 6
 
 def hook(**overrides):
     # the paper's server-side mechanisms (DP-SGD on the silos is tested in tests/test_dp_sgd.py)
-    cfg = parse_config({"num-server-rounds": 20, "dp.noise-at": "server", **overrides})
+    cfg = parse_config({"num-server-rounds": 20, "dp.noise-at": "server", "dp.clip": 2.0, **overrides})
     return build_privacy(cfg, client_sizes=SIZES, num_modules=24)
 
 

@@ -34,7 +34,9 @@ Modules (each importable on its own; the names listed are re-exported here):
 * ``plan``: ``PrivacyPlan``, round schedule, block sensitivities, noise stds, effective z;
 * ``calibration``: ``Calibration``, ``calibrate``, epsilon of a fixed z or of the paper's sigma;
 * ``ledger``: ``PrivacyLedger`` (the server's per-round ledger), ``PrivacyBudgetExceeded``;
-* ``silo``: per-silo DP-SGD ledger (added by its own change; not re-exported here).
+* ``silo``: DP-SGD on the silos: ``SiloLedger`` (one silo's ledger, kept by the server and by the
+  silo itself), ``calibrate_noise_multiplier``, ``dp_sgd_epsilon``, the silo's own check
+  ``silo_admits`` and ``SiloRefusal`` (import from ``fedpower_app.accounting.silo``).
 
 Pure python + numpy + opacus + dp_accounting (no torch, no flwr): importing this package does not
 import torch (``rdp`` loads opacus' RDP analysis file directly).

@@ -15,7 +15,7 @@ Both the server and every silo keep such a ledger: the server's to plan and to s
 to a silo at its budget, the silo's own (in Flower's ``Context.state``) so that its ε never
 depends on the server telling the truth.
 
-RDP uses opacus' analysis (the orders of ``fedpower_app.accounting``); PLD uses dp-accounting.
+RDP uses opacus' analysis (``rdp``, the package's orders); PLD uses dp-accounting.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ from functools import lru_cache
 
 import numpy as np
 
-from . import accounting as A
+from .pld import DEFAULT_PLD_INTERVAL
+from .rdp import rdp_sgm, rdp_to_epsilon
 
 
 def _pld_epsilon(events: tuple, delta: float, interval: float) -> float:
@@ -41,11 +42,11 @@ def _pld_epsilon(events: tuple, delta: float, interval: float) -> float:
 
 @lru_cache(maxsize=4096)
 def _rdp_steps(q: float, sigma: float, steps: int) -> tuple:
-    return tuple(A.rdp_sgm(q, sigma) * steps)
+    return tuple(rdp_sgm(q, sigma) * steps)
 
 
 def dp_sgd_epsilon(events, delta: float, accountant: str = "rdp",
-                   pld_interval: float = A.DEFAULT_PLD_INTERVAL) -> float:
+                   pld_interval: float = DEFAULT_PLD_INTERVAL) -> float:
     """ε of a composition of DP-SGD runs ``events = [(q, σ, steps), ...]`` at ``delta``."""
     events = tuple((float(q), float(s), int(n)) for q, s, n in events if n > 0)
     if not events:
@@ -57,7 +58,7 @@ def dp_sgd_epsilon(events, delta: float, accountant: str = "rdp",
     if accountant != "rdp":
         raise ValueError(f"accountant must be rdp or pld, got {accountant!r}")
     vec = np.sum([np.asarray(_rdp_steps(q, s, n)) for q, s, n in events], axis=0)
-    return A.rdp_to_epsilon(vec, delta)[0]
+    return rdp_to_epsilon(vec, delta)[0]
 
 
 def calibrate_noise_multiplier(sample_rate: float, steps: int, epsilon: float, delta: float,
