@@ -1,6 +1,6 @@
 # fedpower: one image for the SuperLink, the SuperNodes and simulations (subprocess isolation).
 #   docker build -t fedpower .
-#   docker run --rm fedpower fedpower-privacy --method fedpower --level sample --epsilon 3 \
+#   docker run --rm fedpower fedpower-privacy --set dp.noise-at=server --method fedpower --level sample --epsilon 3 \
 #       --rounds 200 --client-rate 0.5 --num-clients 6 --dataset-size 67349 --batch-size 128
 #   docker run --rm -p 8000:8000 fedpower flower-superlink --insecure --host 0.0.0.0 --port 8000 \
 #       --disable-runtime-dependency-installation
