@@ -60,6 +60,18 @@ def _check_prob(x: Any, name: str, *, allow_zero: bool = False) -> float:
     return v
 
 
+def _check_round_sampling(level: str, q_c: Any, pi: Any, sample_mode: str) -> tuple:
+    """The sampling arguments of one round, checked: ``(level, q_c, pi, sample_mode)``; ``pi`` and
+    ``sample_mode`` are None at client level (only client sampling amplifies there)."""
+    lvl = _check_level(level)
+    qc = _check_prob(q_c, "q_c (client_rate)")
+    if lvl == "client":
+        return lvl, qc, None, None
+    if pi is None:
+        raise ValueError("pi (per-round example inclusion probability) is required at sample level")
+    return lvl, qc, _check_prob(pi, "pi", allow_zero=True), _check_sample_mode(sample_mode)
+
+
 # --------------------------------------------------------------------------------------------
 # k-mixture (fixed noise, random number k of aggregated clients), used by rdp and pld alike
 # --------------------------------------------------------------------------------------------

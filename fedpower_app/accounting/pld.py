@@ -19,8 +19,8 @@ import warnings
 from typing import Callable, Optional, Sequence, Union
 
 from ._common import (
+    _check_round_sampling,
     _binom_weights,
-    _check_level,
     _check_num_clients,
     _check_prob,
     _check_sample_mode,
@@ -121,8 +121,7 @@ def round_pld(
 
     Raises ValueError instead of allocating a huge grid (tiny z; spec section 5 memory pitfall).
     """
-    lvl = _check_level(level)
-    qc = _check_prob(q_c, "q_c (client_rate)")
+    lvl, qc, p, mode = _check_round_sampling(level, q_c, pi, sample_mode)
     zz = float(z)
     if not zz > 0:
         raise ValueError(f"z (noise multiplier) must be > 0 for a PLD, got {z!r}")
@@ -130,10 +129,7 @@ def round_pld(
     _guard(zz, vdi, max_grid_points)
     if lvl == "client":
         return _sgm_pld(qc, zz, vdi)
-    if pi is None:
-        raise ValueError("pi (per-round example inclusion probability) is required at sample level")
-    p = _check_prob(pi, "pi", allow_zero=True)
-    if _check_sample_mode(sample_mode) == "product":
+    if mode == "product":
         return _sgm_pld(qc * p, zz, vdi)
     inner = _sgm_pld(p, zz, vdi)
     if qc >= 1.0:

@@ -22,8 +22,8 @@ from typing import Callable, Iterable, Optional, Sequence, Union
 import numpy as np
 
 from ._common import (
+    _check_round_sampling,
     _binom_weights,
-    _check_level,
     _check_num_clients,
     _check_prob,
     _check_sample_mode,
@@ -135,15 +135,10 @@ def round_rdp(
     * sample level, two-stage: ``log(1 - q_c + q_c exp((a-1) eps_SGM(a; pi, z)))/(a-1)``;
     * sample level, product: ``SGM(q_c*pi, z)`` (paper-comparable, not proven).
     """
-    lvl = _check_level(level)
-    qc = _check_prob(q_c, "q_c (client_rate)")
+    lvl, qc, p, mode = _check_round_sampling(level, q_c, pi, sample_mode)
     ords = _orders_tuple(orders)
     if lvl == "client":
         return rdp_sgm(qc, z, ords)
-    if pi is None:
-        raise ValueError("pi (per-round example inclusion probability) is required at sample level")
-    p = _check_prob(pi, "pi", allow_zero=True)
-    mode = _check_sample_mode(sample_mode)
     if mode == "product":
         return rdp_sgm(qc * p, z, ords)
     return _two_stage(qc, rdp_sgm(p, z, ords), ords)
