@@ -20,7 +20,7 @@ import psutil
 import pytest
 
 from fedpower_app import launcher as L
-from fedpower_app.config import PROJECT_ROOT, STRATEGIES, TASKS
+from fedpower_app.config import PROJECT_ROOT, STRATEGIES, TASKS, ConfigError
 
 TINY = str(PROJECT_ROOT / "conf" / "tiny.toml")
 
@@ -108,9 +108,16 @@ def test_bad_config_from_the_command_line_is_one_line():
     assert elapsed < 10  # interpreter start included; the check itself is timed above (< 1 s)
 
 
-def test_valid_config_passes_the_checks():
-    cfg = L.check_launch({"num-server-rounds": 1, "strategy.name": "fedlora"}, num_supernodes=3)
+def test_valid_config_passes_the_checks(tmp_path):
+    # An explicit Flower home outside the app: the check must not depend on the caller's FLWR_HOME.
+    cfg = L.check_launch({"num-server-rounds": 1, "strategy.name": "fedlora"}, num_supernodes=3,
+                         flwr_home=tmp_path / "flwr-home")
     assert cfg["strategy.name"] == "fedlora"
+
+
+def test_flower_home_inside_the_app_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match="inside the app directory"):
+        L.check_launch({"num-server-rounds": 1}, num_supernodes=3, flwr_home=PROJECT_ROOT / ".flwr-home")
 
 
 # ------------------------------------------------------------------------------------------------
