@@ -93,6 +93,7 @@ SCHEMA: dict[str, tuple[type, Callable[[Any], str | None] | None]] = {
     "dp.delta": (float, _open_unit),
     "dp.noise-at": (str, _in(NOISE_AT)),
     "dp.clip": (float, _pos),
+    "dp.head-clip": (float, _nonneg),
     "dp.noise-multiplier": (float, _nonneg),
     "dp.accountant": (str, _in(("rdp", "pld"))),
     "dp.sample-mode": (str, _in(("two-stage", "product"))),

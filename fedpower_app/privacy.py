@@ -130,6 +130,8 @@ class SiloDPSGD:
         self.epsilon_target, self.delta = cfg["dp.epsilon"], cfg["dp.delta"]
         self.batch_size, self.local_steps = cfg["train.batch-size"], cfg["train.local-steps"]
         self.num_rounds, self.clip_norm, self.accountant = cfg["num-server-rounds"], cfg["dp.clip"], cfg["dp.accountant"]
+        # A trained head may be clipped apart from the adapters (dp_sgd.GroupClippedDPOptimizer).
+        self.head_clip = cfg["dp.head-clip"] if cfg["model.train-head"] else 0.0
         self.silos = list(client_sizes)  # population order: silo i is self.silos[i]
         self.sizes = dict(client_sizes)
         self.rates = {node: min(1.0, self.batch_size / n) for node, n in client_sizes.items()}
@@ -162,7 +164,8 @@ class SiloDPSGD:
 
     def train_config(self) -> dict:
         return {"dp-sgd.noise-multiplier": self.sigma, "dp-sgd.clip": self.clip_norm,
-                "dp-sgd.batch-size": self.batch_size, "dp-sgd.local-steps": self.local_steps}
+                "dp-sgd.batch-size": self.batch_size, "dp-sgd.local-steps": self.local_steps,
+                "dp-sgd.head-clip": self.head_clip}
 
     def record_sent(self, nodes: list[int], server_round: int) -> None:
         # Counted when sent: a silo that trained and whose reply was lost still used its data.

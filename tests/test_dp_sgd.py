@@ -175,6 +175,52 @@ def test_noise_std_matches_sigma_times_clip(tiny_model_dir):
     assert abs(float(scaled.mean())) < 4 * sigma * clip / math.sqrt(scaled.numel())
 
 
+def test_group_clipping_bounds_the_head_and_the_adapters_apart_float64(tiny_model_dir):
+    # dp.head-clip > 0: one example's head gradient is clipped to C_h and its adapters' gradient to
+    # C, each attained when tight, so its whole contribution is at most sqrt(C^2 + C_h^2).
+    from fedpower_app.dp_sgd import is_head_parameter
+
+    cfg, model, shard = tiny(tiny_model_dir, double=True, **{"model.train-head": True})
+    one = D.TokenizedSplit(shard.input_ids[:1], shard.attention_mask[:1], shard.labels[:1],
+                           None if shard.token_type_ids is None else shard.token_type_ids[:1])
+    start = M.adapter_state(model)
+
+    def update_norms(clip, head_clip):
+        M.load_adapter_state(model, {k: v.double() for k, v in start.items()})
+        before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+        sampling, noise = gens()
+        dp_sgd_train_local(model, one, params=DPSGDParams(0.0, clip, 1, 1, head_clip=head_clip), lr=1.0,
+                           sampling_generator=sampling, noise_generator=noise, device=CPU, optimizer="sgd")
+        sq = {True: 0.0, False: 0.0}
+        for n, p in model.named_parameters():
+            if p.requires_grad:
+                sq[is_head_parameter(n)] += float(((p.detach() - before[n]).double() ** 2).sum())
+        return math.sqrt(sq[False]), math.sqrt(sq[True])
+
+    adapters, head = update_norms(1e9, 1e9)
+    assert adapters > 1e-4 and head > 1e-4
+    clipped_adapters, clipped_head = update_norms(adapters / 3, head / 5)
+    assert clipped_adapters <= adapters / 3 and clipped_head <= head / 5
+    # Attained up to Opacus' 1e-6 guard in C / (norm + 1e-6), relative to these small norms.
+    assert clipped_adapters == pytest.approx(adapters / 3, rel=1e-3)
+    assert clipped_head == pytest.approx(head / 5, rel=1e-3)
+    # A tight head clip leaves the adapters' gradient whole (a joint clip would shrink both).
+    assert update_norms(1e9, head / 5)[0] == pytest.approx(adapters, rel=1e-9)
+    assert DPSGDParams(1.0, 3.0, 1, 1, head_clip=4.0).sensitivity == pytest.approx(5.0)
+
+
+def test_group_clipped_noise_std_is_sigma_times_the_joint_sensitivity(tiny_model_dir):
+    cfg, model, shard = tiny(tiny_model_dir, **{"model.train-head": True, "lora.rank": 16})
+    before = torch.cat([p.detach().flatten().clone() for p in model.parameters() if p.requires_grad])
+    params = DPSGDParams(0.7, 600.0, 8, 1, head_clip=800.0)
+    sampling, noise = gens(3)
+    dp_sgd_train_local(model, shard, params=params, lr=1.0, sampling_generator=sampling,
+                       noise_generator=noise, device=CPU, optimizer="sgd")
+    after = torch.cat([p.detach().flatten() for p in model.parameters() if p.requires_grad])
+    scaled = ((after - before) * params.batch_size).double()
+    assert float(scaled.std()) == pytest.approx(0.7 * 1000.0, rel=0.05)
+
+
 def test_seeded_dp_sgd_repeats_and_hardened_differs(tiny_model_dir):
     cfg, model, shard = tiny(tiny_model_dir)
     start = M.adapter_state(model)
