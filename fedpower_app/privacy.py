@@ -8,6 +8,8 @@ some or all sampled clients dropped out. All privacy math is in ``fedpower_app.a
 
 from __future__ import annotations
 
+import math
+
 import logging
 from typing import Any
 
@@ -204,16 +206,23 @@ class SiloDPSGD:
                 "label": "sample-level (eps, delta)-DP of every silo's examples, add/remove one example; "
                          "run epsilon = max over silos; no amplification by client sampling claimed"}
 
+    @property
+    def sensitivity(self) -> float:
+        """One example's L2 bound on a step's clipped sum: C, or √(C² + C_h²) with the head apart."""
+        return math.hypot(self.clip_norm, self.head_clip)
+
     def summary_lines(self) -> list[str]:
         q = max(self.rates.values())
+        delta = (f"Delta=C={self.clip_norm:g}" if not self.head_clip else
+                 f"Delta=sqrt(C^2+C_h^2)={self.sensitivity:.4g} (adapters clipped to C, head to C_h={self.head_clip:g})")
         return [
             f"privacy: sample-level DP by DP-SGD on the silos, target (eps={self.epsilon_target:g}, "
             f"delta={self.delta:g}), accountant {self.accountant}",
             f"privacy: sigma={self.sigma:.4f} ({self.source}), per-example clip C={self.clip_norm:g}, b={self.batch_size}, "
             f"L={self.local_steps}, max q={q:.5f}",
-            f"privacy: each step: Delta=C={self.clip_norm:g} (one example added/removed), noise std on the clipped sum "
-            f"sigma*C={self.sigma * self.clip_norm:.4g}, on the mean gradient sigma*C/b="
-            f"{self.sigma * self.clip_norm / self.batch_size:.3g}",
+            f"privacy: each step: {delta} (one example added/removed), noise std on the clipped sum "
+            f"sigma*Delta={self.sigma * self.sensitivity:.4g}, on the mean gradient sigma*Delta/b="
+            f"{self.sigma * self.sensitivity / self.batch_size:.3g}",
             f"privacy: a silo that trains all T={self.num_rounds} rounds ends at eps {self.planned_epsilon:.3f}; "
             f"no silo is sent a round past eps {self.epsilon_target:g}",
         ]

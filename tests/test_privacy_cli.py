@@ -272,3 +272,20 @@ def test_bad_input_exits_2_with_one_line(argv, msg, capsys):
 def test_help(capsys):
     assert privacy_cli.main(["--help"]) == 0
     assert "--preset" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("extra", [[], ["--set", "model.train-head=true", "--set", "dp.head-clip=0.2"]])
+def test_dp_sgd_printed_delta_is_the_one_the_silos_noise_uses(extra, capsys):
+    # The silo builds its DP-SGD parameters from the train message the hook writes; its noise std
+    # on a step's clipped sum is sigma * params.sensitivity. The planner must print that Delta.
+    from client_app.app import dp_sgd_params
+
+    out = run_text(extra, capsys)
+    overrides = {extra[i + 1].split("=")[0]: json.loads(extra[i + 1].split("=")[1]) for i in range(0, len(extra), 2)}
+    hook = build_privacy(parse_config(overrides), client_sizes=DEFAULT_SIZES, num_modules=12)
+    params = dp_sgd_params(hook.train_config())
+    printed_delta = float(re.search(r"each step: Delta=(?:sqrt\(C\^2\+C_h\^2\)=)?(?:C=)?([0-9.e-]+)", out).group(1))
+    printed_std = float(re.search(r"sigma\*Delta=([0-9.e-]+)", out).group(1))
+    assert printed_delta == pytest.approx(params.sensitivity, rel=1e-3)
+    assert printed_std == pytest.approx(params.noise_multiplier * params.sensitivity, rel=1e-3)
+    assert params.head_clip == (0.2 if extra else 0.0)
