@@ -431,6 +431,18 @@ class FFALoRAStrategy(LoRAStrategy):
         return "ffa"
 
 
+STRATEGY_CLASSES = {"fedpower": FedPowerStrategy, "input-perturbation": FedPowerStrategy,
+                    "output-perturbation": FedPowerStrategy, "fedlora": FedLoRAStrategy,
+                    "ffa-lora": FFALoRAStrategy}
+
+
+def trained_lora_factors(name: str) -> str:
+    """What a silo trains under strategy ``name``: "AB", or "B" (FFA-LoRA freezes A)."""
+    if name not in STRATEGY_CLASSES:
+        raise ValueError(f"unknown strategy {name!r}")
+    return "AB" if STRATEGY_CLASSES[name].replies_a else "B"
+
+
 def build_strategy(name: str, **kw) -> LoRAStrategy:
     """Strategy for a ``strategy.name`` value."""
     refactor_every = kw.pop("refactor_every", 1)
