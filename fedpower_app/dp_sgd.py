@@ -29,7 +29,8 @@ from dataclasses import dataclass
 import torch
 
 from .data import TokenizedSplit
-from .training import TrainStats, _autocast, _seeded_dropout, batch_indices
+from .model import is_head_parameter
+from .training import TrainStats, _autocast, _seeded_dropout, batch_indices, local_optimizer
 
 
 @dataclass(frozen=True)
@@ -86,11 +87,6 @@ def grad_sample_module(model):
             _WRAPPED.pop(other)._close()  # remove the old hooks: one wrapper per model at a time
         _WRAPPED[key] = GradSampleModule(model, batch_first=True, loss_reduction="mean", strict=True)
     return _WRAPPED[key]
-
-
-def is_head_parameter(name: str) -> bool:
-    """A trained head's tensors (PEFT keeps them under ``modules_to_save``)."""
-    return "modules_to_save" in name
 
 
 def _group_clipped_optimizer_class():
@@ -152,7 +148,7 @@ def dp_sgd_train_local(model, data: TokenizedSplit, *, params: DPSGDParams, lr: 
     trainable = [p for _, p in named]
     if not trainable:
         raise ValueError("DP-SGD needs at least one trainable tensor")
-    base = torch.optim.Adam(trainable, lr=lr) if optimizer == "adam" else torch.optim.SGD(trainable, lr=lr)
+    base = local_optimizer(trainable, lr=lr, kind=optimizer)
     common = dict(noise_multiplier=params.noise_multiplier, expected_batch_size=params.batch_size,
                   loss_reduction="mean", generator=noise_generator, secure_mode=secure_noise)
     if params.head_clip > 0 and any(is_head_parameter(name) for name, _ in named):

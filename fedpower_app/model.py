@@ -191,6 +191,11 @@ def split_adapter_keys(state: dict[str, torch.Tensor]):
     return modules, extras
 
 
+def is_head_parameter(name: str) -> bool:
+    """A trained head's tensors (PEFT keeps them under ``modules_to_save``)."""
+    return "modules_to_save" in name
+
+
 def set_trainable(model, *, train_a: bool = True, train_b: bool = True) -> None:
     """FFA-LoRA freezes A: only B (and the head if configured) receive gradients."""
     for name, p in model.named_parameters():

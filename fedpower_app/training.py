@@ -83,6 +83,17 @@ def _seeded_dropout(seed: int | None, device: torch.device):
         yield
 
 
+def local_optimizer(params, *, lr: float, kind: str = "adam"):
+    """A silo's optimizer for one round (fresh every round): Adam, or SGD. The one place both the
+    plain and the DP-SGD local training build it."""
+    params = list(params)
+    if kind == "adam":
+        return torch.optim.Adam(params, lr=lr)
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=lr)
+    raise ValueError(f"unknown optimizer {kind!r}")
+
+
 def train_local(model, data: TokenizedSplit, *, steps: int, batch_size: int, lr: float,
                 generator: torch.Generator, poisson: bool, device: torch.device,
                 dropout_seed: int | None = None) -> TrainStats:
@@ -96,8 +107,7 @@ def train_local(model, data: TokenizedSplit, *, steps: int, batch_size: int, lr:
 def _train_steps(model, data: TokenizedSplit, *, steps: int, batch_size: int, lr: float,
                  generator: torch.Generator, poisson: bool, device: torch.device) -> TrainStats:
     model.train()
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.Adam(params, lr=lr)
+    optimizer = local_optimizer([p for p in model.parameters() if p.requires_grad], lr=lr)
     total, count, seen, empty = 0.0, 0, 0, 0
     for idx in batch_indices(len(data), batch_size, steps, generator, poisson):
         if len(idx) == 0:

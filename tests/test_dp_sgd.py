@@ -178,7 +178,7 @@ def test_noise_std_matches_sigma_times_clip(tiny_model_dir):
 def test_group_clipping_bounds_the_head_and_the_adapters_apart_float64(tiny_model_dir):
     # dp.head-clip > 0: one example's head gradient is clipped to C_h and its adapters' gradient to
     # C, each attained when tight, so its whole contribution is at most sqrt(C^2 + C_h^2).
-    from fedpower_app.dp_sgd import is_head_parameter
+    from fedpower_app.model import is_head_parameter
 
     cfg, model, shard = tiny(tiny_model_dir, double=True, **{"model.train-head": True})
     one = D.TokenizedSplit(shard.input_ids[:1], shard.attention_mask[:1], shard.labels[:1],
