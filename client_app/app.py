@@ -30,7 +30,7 @@ from fedpower_app.config import RunConfig, parse_config
 from fedpower_app.dp_sgd import DPSGDParams, dp_sgd_train_local
 from fedpower_app.accounting.silo import SiloLedger, SiloRefusal, silo_admits
 from fedpower_app.training import evaluate as evaluate_model
-from fedpower_app.training import silo_randomness, train_local
+from fedpower_app.training import round_lr, silo_randomness, train_local
 from strategies.noise import NoiseSource
 
 app = ClientApp()
@@ -158,16 +158,17 @@ def train(msg: Message, context: Context) -> Message:
     noise = NoiseSource(cfg["seed"], cfg["dp.noise"])
     streams = silo_randomness(noise, pid, server_round)
     device = next(model.parameters()).device
+    lr = round_lr(cfg["train.lr"], cfg["train.lr-schedule"], server_round, cfg["num-server-rounds"])
     t0 = time.perf_counter()
     if ledger is not None:
-        stats = dp_sgd_train_local(model, shard, params=params, lr=cfg["train.lr"],
+        stats = dp_sgd_train_local(model, shard, params=params, lr=lr,
                                    sampling_generator=streams.sampling, noise_generator=streams.dp_noise,
                                    secure_noise=noise.hardened, device=device, dropout_seed=streams.dropout_seed)
         ledger.record(sample_rate, params.noise_multiplier, params.local_steps)
         context.state[LEDGER_KEY] = ConfigRecord({"state": json.dumps(ledger.state_dict())})
     else:
         stats = train_local(
-            model, shard, steps=cfg["train.local-steps"], batch_size=cfg["train.batch-size"], lr=cfg["train.lr"],
+            model, shard, steps=cfg["train.local-steps"], batch_size=cfg["train.batch-size"], lr=lr,
             generator=streams.sampling, poisson=(cfg["dp.level"] == "sample"), device=device,
             dropout_seed=streams.dropout_seed,
         )

@@ -20,6 +20,7 @@ TASKS = ("synthetic", "sst2", "qnli", "mnli", "qqp")
 DEVICES = ("auto", "cpu", "cuda")
 # Where sample-level noise is added: DP-SGD on every silo, or the paper's server-side noise on
 # each silo's whole clipped adapter (a reproduction of the paper).
+LR_SCHEDULES = ("constant", "cosine")
 NOISE_AT = ("silo", "server")
 
 
@@ -79,6 +80,7 @@ SCHEMA: dict[str, tuple[type, Callable[[Any], str | None] | None]] = {
     "train.local-steps": (int, _min1),
     "train.batch-size": (int, _min1),
     "train.lr": (float, _pos),
+    "train.lr-schedule": (str, _in(LR_SCHEDULES)),
     "eval.batch-size": (int, _min1),
     "eval.every": (int, _min1),
     "eval.fraction-clients": (float, _unit),

@@ -83,6 +83,20 @@ def _seeded_dropout(seed: int | None, device: torch.device):
         yield
 
 
+def round_lr(lr: float, schedule: str, server_round: int, num_rounds: int) -> float:
+    """The silos' learning rate in round ``server_round`` (1-based) of ``num_rounds``.
+
+    ``cosine`` decays from ``lr`` in round 1 towards 0 (half a cosine over the planned rounds). Why:
+    under DP-SGD the rate that escapes the flat start quickly makes the later rounds oscillate
+    (RESULTS.md, "DP-SGD on the silos"); the decay keeps the fast start and a stable end."""
+    if schedule == "constant":
+        return lr
+    if schedule == "cosine":
+        t = min(max(server_round - 1, 0), num_rounds)
+        return lr * 0.5 * (1.0 + math.cos(math.pi * t / max(num_rounds, 1)))
+    raise ValueError(f"unknown learning-rate schedule {schedule!r}")
+
+
 def local_optimizer(params, *, lr: float, kind: str = "adam"):
     """A silo's optimizer for one round (fresh every round): Adam, or SGD. The one place both the
     plain and the DP-SGD local training build it."""

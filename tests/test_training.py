@@ -1,5 +1,8 @@
 """Client-side sampling matches the accountant; local training and evaluation work on a real model."""
 
+import math
+
+import pytest
 import torch
 
 from fedpower_app.training import batch_indices
@@ -84,3 +87,15 @@ def test_stream_seed_is_deterministic_when_seeded_and_fresh_when_hardened():
     assert NoiseSource(3).stream_seed("dropout/1", 4) != NoiseSource(3).stream_seed("dropout/2", 4)
     hardened = NoiseSource(3, "hardened")
     assert hardened.stream_seed("dropout/1", 4) != hardened.stream_seed("dropout/1", 4)
+
+
+def test_round_lr_constant_and_cosine():
+    from fedpower_app.training import round_lr
+
+    assert [round_lr(0.01, "constant", t, 8) for t in (1, 5, 8)] == [0.01, 0.01, 0.01]
+    cos = [round_lr(0.02, "cosine", t, 8) for t in range(1, 9)]
+    assert cos[0] == 0.02 and cos[4] == pytest.approx(0.01)  # full rate first, half way at T/2
+    assert all(a > b > 0 for a, b in zip(cos, cos[1:]))  # strictly decaying, never zero in a planned round
+    assert cos[-1] == pytest.approx(0.02 * 0.5 * (1 + math.cos(math.pi * 7 / 8)))
+    with pytest.raises(ValueError):
+        round_lr(0.01, "linear", 1, 8)
