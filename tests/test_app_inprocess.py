@@ -15,7 +15,8 @@ from server_app import app as server
 from fedpower_app.inprocess import InProcessGrid
 
 TINY = {"task.synthetic-train-size": 240, "task.synthetic-eval-size": 120, "task.max-length": 32,
-        "train.local-steps": 2, "train.batch-size": 16, "strategy.client-rate": 1.0}
+        "train.local-steps": 2, "train.batch-size": 16, "strategy.client-rate": 1.0,
+        "train.lr": 0.003, "train.lr-schedule": "constant"}
 
 
 def run_inprocess(tmp_path, num_nodes=2, handlers=None, node_ids=None, **overrides):
