@@ -67,6 +67,11 @@ class DPSGDParams:
         return out
 
 
+# Examples per forward/backward pass. A logical batch of b examples is processed in chunks of at
+# most this many; the step (clip, one noise draw, update) is the same. Why: Opacus keeps every
+# example's activations and gradients, so at b = 500 one pass held ~4-5 GB per silo process.
+PHYSICAL_BATCH_SIZE = 128
+
 _WRAPPED: dict[tuple, object] = {}
 
 
@@ -133,7 +138,8 @@ def _empty_grad_samples(params) -> None:
 def dp_sgd_train_local(model, data: TokenizedSplit, *, params: DPSGDParams, lr: float,
                        sampling_generator: torch.Generator, noise_generator: torch.Generator | None,
                        device: torch.device, secure_noise: bool = False,
-                       dropout_seed: int | None = None, optimizer: str = "adam") -> TrainStats:
+                       dropout_seed: int | None = None, optimizer: str = "adam",
+                       physical_batch_size: int = PHYSICAL_BATCH_SIZE) -> TrainStats:
     """One silo's round of DP-SGD on ``model`` (a PEFT model whose trainable set is settled).
 
     ``noise_generator`` feeds Opacus' Gaussian noise (seeded runs repeat); ``secure_noise`` uses
@@ -169,12 +175,23 @@ def dp_sgd_train_local(model, data: TokenizedSplit, *, params: DPSGDParams, lr: 
                     empty += 1
                     _empty_grad_samples(trainable)  # noise-only step
                 else:
-                    batch = data.batch(idx, device)
-                    with _autocast(device):
-                        out = gsm(**batch)
-                    loss = out.loss.float()
-                    loss.backward()
-                    total += float(loss.detach())
+                    # One logical (Poisson) batch in physical chunks: every chunk but the last only
+                    # clips and accumulates (Opacus' skip-step), the last adds the noise once and
+                    # steps. Same result as one pass; peak memory set by the chunk, not by b.
+                    chunks = idx.split(physical_batch_size)
+                    batch_loss = 0.0
+                    for i, chunk in enumerate(chunks):
+                        batch = data.batch(chunk, device)
+                        with _autocast(device):
+                            out = gsm(**batch)
+                        loss = out.loss.float()
+                        loss.backward()
+                        batch_loss += float(loss.detach()) * len(chunk)
+                        if i < len(chunks) - 1:
+                            dp_optimizer.signal_skip_step(do_skip=True)
+                            dp_optimizer.step()
+                            dp_optimizer.zero_grad(set_to_none=True)  # keeps the accumulated clipped sum
+                    total += batch_loss / len(idx)
                     count += 1
                     seen += len(idx)
                 dp_optimizer.step()

@@ -221,6 +221,29 @@ def test_group_clipped_noise_std_is_sigma_times_the_joint_sensitivity(tiny_model
     assert float(scaled.std()) == pytest.approx(0.7 * 1000.0, rel=0.05)
 
 
+def test_physical_chunks_give_the_same_step_as_one_pass(tiny_model_dir):
+    # A logical Poisson batch processed in chunks of 3 (clip and accumulate, one noise draw at the
+    # end) must equal one pass over the whole batch: same clipping, same noise, same update.
+    cfg, model, shard = tiny(tiny_model_dir, double=True, **{"model.train-head": True})
+    start = M.adapter_state(model)
+
+    def after(physical, sigma):
+        M.load_adapter_state(model, {k: v.double() for k, v in start.items()})
+        sampling, noise = gens(5)
+        stats = dp_sgd_train_local(model, shard, params=DPSGDParams(sigma, 0.01, 16, 3), lr=0.1,
+                                   sampling_generator=sampling, noise_generator=noise, device=CPU,
+                                   optimizer="sgd", physical_batch_size=physical)
+        return torch.cat([p.detach().flatten().clone() for p in model.parameters() if p.requires_grad]), stats
+
+    for sigma in (0.0, 0.5):
+        whole, s_whole = after(1000, sigma)
+        chunked, s_chunked = after(3, sigma)
+        assert s_whole.examples_seen == s_chunked.examples_seen > 3 * 3  # several chunks per step
+        assert torch.allclose(whole, chunked, rtol=0, atol=1e-9)
+        assert s_chunked.loss == pytest.approx(s_whole.loss, rel=1e-6)  # the loss is summed in float32
+    assert not torch.allclose(after(1000, 0.0)[0], after(1000, 0.5)[0])  # the noise is really there
+
+
 def test_seeded_dp_sgd_repeats_and_hardened_differs(tiny_model_dir):
     cfg, model, shard = tiny(tiny_model_dir)
     start = M.adapter_state(model)
