@@ -30,7 +30,7 @@ import torch
 
 from .data import TokenizedSplit
 from .model import is_head_parameter
-from .training import TrainStats, _autocast, _seeded_dropout, batch_indices, local_optimizer
+from .training import PHYSICAL_BATCH_SIZE, TrainStats, _autocast, _seeded_dropout, batch_indices, local_optimizer
 
 
 @dataclass(frozen=True)
@@ -66,11 +66,6 @@ class DPSGDParams:
             out.append(f"local steps must be >= 1, got {self.local_steps!r}")
         return out
 
-
-# Examples per forward/backward pass. A logical batch of b examples is processed in chunks of at
-# most this many; the step (clip, one noise draw, update) is the same. Why: Opacus keeps every
-# example's activations and gradients, so at b = 500 one pass held ~4-5 GB per silo process.
-PHYSICAL_BATCH_SIZE = 128
 
 _WRAPPED: dict[tuple, object] = {}
 

@@ -83,6 +83,13 @@ def _seeded_dropout(seed: int | None, device: torch.device):
         yield
 
 
+# Examples per forward/backward pass, in plain and in DP-SGD training. A batch of b examples is
+# processed in chunks of at most this many and the step is the same (the batch's mean gradient;
+# under DP-SGD its clipped sum plus one noise draw). Why: at b = 500 one pass held 4-5 GB per silo
+# process (DP-SGD keeps every example's activations and gradients) and Ray killed workers.
+PHYSICAL_BATCH_SIZE = 128
+
+
 def round_lr(lr: float, schedule: str, server_round: int, num_rounds: int) -> float:
     """The silos' learning rate in round ``server_round`` (1-based) of ``num_rounds``.
 
@@ -110,16 +117,18 @@ def local_optimizer(params, *, lr: float, kind: str = "adam"):
 
 def train_local(model, data: TokenizedSplit, *, steps: int, batch_size: int, lr: float,
                 generator: torch.Generator, poisson: bool, device: torch.device,
-                dropout_seed: int | None = None) -> TrainStats:
+                dropout_seed: int | None = None, physical_batch_size: int = PHYSICAL_BATCH_SIZE) -> TrainStats:
     """L steps of mini-batch Adam on the trainable parameters; a fresh optimizer every round.
     ``dropout_seed`` makes the dropout masks a function of the seed alone (see ``silo_randomness``)."""
     with _seeded_dropout(dropout_seed, device):
         return _train_steps(model, data, steps=steps, batch_size=batch_size, lr=lr,
-                            generator=generator, poisson=poisson, device=device)
+                            generator=generator, poisson=poisson, device=device,
+                            physical_batch_size=physical_batch_size)
 
 
 def _train_steps(model, data: TokenizedSplit, *, steps: int, batch_size: int, lr: float,
-                 generator: torch.Generator, poisson: bool, device: torch.device) -> TrainStats:
+                 generator: torch.Generator, poisson: bool, device: torch.device,
+                 physical_batch_size: int = PHYSICAL_BATCH_SIZE) -> TrainStats:
     model.train()
     optimizer = local_optimizer([p for p in model.parameters() if p.requires_grad], lr=lr)
     total, count, seen, empty = 0.0, 0, 0, 0
@@ -127,14 +136,18 @@ def _train_steps(model, data: TokenizedSplit, *, steps: int, batch_size: int, lr
         if len(idx) == 0:
             empty += 1
             continue
-        batch = data.batch(idx, device)
         optimizer.zero_grad(set_to_none=True)
-        with _autocast(device):
-            out = model(**batch)
-        loss = out.loss.float()
-        loss.backward()
+        # The batch's mean gradient, accumulated over physical chunks (peak memory set by the chunk).
+        batch_loss = 0.0
+        for chunk in idx.split(physical_batch_size):
+            batch = data.batch(chunk, device)
+            with _autocast(device):
+                out = model(**batch)
+            loss = out.loss.float()
+            (loss * (len(chunk) / len(idx))).backward()
+            batch_loss += float(loss.detach()) * len(chunk)
         optimizer.step()
-        total += float(loss.detach())
+        total += batch_loss / len(idx)
         count += 1
         seen += len(idx)
     return TrainStats(loss=total / count if count else math.nan, steps=steps, examples_seen=seen, empty_steps=empty)
