@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import math
 import time
-import tomllib
 
 import torch
 
@@ -35,16 +34,13 @@ def main(argv=None) -> int:
     from fedpower_app import model as M
     from fedpower_app.accounting.silo import calibrate_noise_multiplier
     from fedpower_app.config import parse_config
+    from fedpower_app.launcher import parse_set
     from fedpower_app.data import client_shard, eval_splits
     from fedpower_app.dp_sgd import DPSGDParams, dp_sgd_train_local
     from fedpower_app.training import evaluate, round_lr
     from strategies.flower import trained_lora_factors
 
-    overrides = {}
-    for item in a.set:
-        key, value = item.split("=", 1)
-        overrides[key] = tomllib.loads(f"v = {value}")["v"]
-    cfg = parse_config(overrides)
+    cfg = parse_config(parse_set(a.set))
     tok = M.load_tokenizer(cfg["model.name"])
     model = M.build_model(cfg, 2)
     M.set_trainable(model, train_a="A" in trained_lora_factors(cfg["strategy.name"]), train_b=True)
