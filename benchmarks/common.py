@@ -218,3 +218,22 @@ def markdown_table(rows: list[Row]) -> str:
         out.append(f"| {r.target} | {r.what} | {r.baseline} | {r.candidate} | {fmt_s(r.baseline_s)} | "
                    f"{fmt_s(r.candidate_s)} | {ratio} | {r.goal} | {met} |")
     return "\n".join(out)
+
+
+def silo_zero_setup(set_items, *, silos: int, threads: int):
+    """(config, tokenizer, model, silo 0's shard) for the DP tuning diagnostics: the run's config
+    with ``--set`` items, the production model with the strategy's trainable set (FFA-LoRA: B only)."""
+    import torch
+
+    from fedpower_app import model as M
+    from fedpower_app.config import parse_config
+    from fedpower_app.data import client_shard
+    from fedpower_app.launcher import parse_set
+    from strategies.flower import trained_lora_factors
+
+    torch.set_num_threads(threads)
+    cfg = parse_config(parse_set(set_items))
+    tok = M.load_tokenizer(cfg["model.name"])
+    model = M.build_model(cfg, 2)
+    M.set_trainable(model, train_a="A" in trained_lora_factors(cfg["strategy.name"]), train_b=True)
+    return cfg, tok, model, client_shard(cfg, tok, 0, silos)

@@ -11,7 +11,7 @@ In the noise-dominated regime each silo's Adam divides by its own noise std (sig
 federated lr of ~sqrt(k) x the proxy's gives the same step. Figures in RESULTS.md were screened
 here (proxy lr 0.02 ~ federated lr 0.05) and then confirmed with ``fedpower-run``.
 
-    python benchmarks/dp_sgd_proxy.py --set task.synthetic-train-size=300000 --set train.batch-size=500 \\
+    python -m benchmarks.dp_sgd_proxy --set task.synthetic-train-size=300000 --set train.batch-size=500 \\
         --set train.local-steps=2 --set train.lr=0.02 --set train.lr-schedule='"cosine"'
 """
 
@@ -30,21 +30,13 @@ def main(argv=None) -> int:
     ap.add_argument("--silos", type=int, default=6, help="k: silos whose average the noise stands for")
     ap.add_argument("--threads", type=int, default=1)
     a = ap.parse_args(argv)
-    torch.set_num_threads(a.threads)
-    from fedpower_app import model as M
+    from benchmarks.common import silo_zero_setup
     from fedpower_app.accounting.silo import calibrate_noise_multiplier
-    from fedpower_app.config import parse_config
-    from fedpower_app.launcher import parse_set
-    from fedpower_app.data import client_shard, eval_splits
+    from fedpower_app.data import eval_splits
     from fedpower_app.dp_sgd import DPSGDParams, dp_sgd_train_local
     from fedpower_app.training import evaluate, round_lr
-    from strategies.flower import trained_lora_factors
 
-    cfg = parse_config(parse_set(a.set))
-    tok = M.load_tokenizer(cfg["model.name"])
-    model = M.build_model(cfg, 2)
-    M.set_trainable(model, train_a="A" in trained_lora_factors(cfg["strategy.name"]), train_b=True)
-    shard = client_shard(cfg, tok, 0, a.silos)
+    cfg, tok, model, shard = silo_zero_setup(a.set, silos=a.silos, threads=a.threads)
     evaluation = next(iter(eval_splits(cfg, tok).values()))
     b, L, T = cfg["train.batch-size"], cfg["train.local-steps"], cfg["num-server-rounds"]
     q = min(1.0, b / len(shard))

@@ -12,8 +12,8 @@ For a configuration (pyproject defaults + ``--set``), at the initial adapters, o
   gradient has norm sigma * C * sqrt(d) / b, so noise/signal = sigma * sqrt(d) / (b * ratio).
   The server's average over k silos divides the noise by sqrt(k).
 
-    python benchmarks/gradient_signal.py                       # the default run
-    python benchmarks/gradient_signal.py --set model.target-modules='"value"' --set lora.rank=2
+    python -m benchmarks.gradient_signal                       # the default run
+    python -m benchmarks.gradient_signal --set model.target-modules='"value"' --set lora.rank=2
 
 It reports per module group so that a user can see where the signal is dense. Figures in RESULTS.md.
 """
@@ -34,20 +34,11 @@ def main(argv=None) -> int:
     ap.add_argument("--silos", type=int, default=6)
     ap.add_argument("--threads", type=int, default=1)
     a = ap.parse_args(argv)
-    torch.set_num_threads(a.threads)
-    from fedpower_app import model as M
+    from benchmarks.common import silo_zero_setup
     from fedpower_app.accounting.silo import calibrate_noise_multiplier
-    from fedpower_app.config import parse_config
-    from fedpower_app.launcher import parse_set
-    from fedpower_app.data import client_shard
     from fedpower_app.dp_sgd import grad_sample_module
-    from strategies.flower import trained_lora_factors
 
-    cfg = parse_config(parse_set(a.set))
-    tok = M.load_tokenizer(cfg["model.name"])
-    model = M.build_model(cfg, 2)
-    M.set_trainable(model, train_a="A" in trained_lora_factors(cfg["strategy.name"]), train_b=True)
-    shard = client_shard(cfg, tok, 0, a.silos)
+    cfg, _tok, model, shard = silo_zero_setup(a.set, silos=a.silos, threads=a.threads)
     n = min(a.examples, len(shard)) // 2 * 2
     gsm = grad_sample_module(model)
     gsm.enable_hooks()
@@ -88,10 +79,15 @@ def main(argv=None) -> int:
     b, steps = cfg["train.batch-size"], cfg["train.local-steps"] * cfg["num-server-rounds"]
     q = min(1.0, b / len(shard))
     sigma = calibrate_noise_multiplier(q, steps, cfg["dp.epsilon"], cfg["dp.delta"], cfg["dp.accountant"])
-    per_step = sigma * math.sqrt(d) / (b * ratio) if ratio > 0 else math.inf
-    print(f"all trainable: d={d}, ratio={ratio:.4f} (from {n} examples; sampling error ~{1 / math.sqrt(n):.3f})")
+    err = 1 / math.sqrt(n)  # the split-half estimate's resolution for the ratio
+    resolved = ratio > 2 * err
+    bound = ratio if resolved else 2 * err  # unresolved: ratio below ~2 errors, noise/signal at least this
+    per_step = sigma * math.sqrt(d) / (b * bound)
+    print(f"all trainable: d={d}, ratio={ratio:.4f} (from {n} examples; sampling error ~{err:.3f}"
+          + ("" if resolved else "; NOT resolved: below 2 sampling errors, bounds use 2 errors") + ")")
     print(f"one step on one silo: b={b}, q={q:.4f}, sigma={sigma:.3f} (eps={cfg['dp.epsilon']:g} over {steps} steps): "
-          f"noise/signal = {per_step:.2f}; after the average over {a.silos} silos {per_step / math.sqrt(a.silos):.2f}")
+          f"noise/signal {'=' if resolved else '>='} {per_step:.2f}; after the average over {a.silos} silos "
+          f"{per_step / math.sqrt(a.silos):.2f}")
     return 0
 
 
