@@ -33,6 +33,12 @@ from .model import is_head_parameter
 from .training import PHYSICAL_BATCH_SIZE, TrainStats, _autocast, _seeded_dropout, batch_indices, local_optimizer
 
 
+def clipped_sensitivity(clip: float, head_clip: float = 0.0) -> float:
+    """The L2 bound on one example's clipped gradient, i.e. on its share of a step's clipped sum:
+    C with one joint clip, √(C² + C_h²) with the head clipped apart (GroupClippedDPOptimizer)."""
+    return math.hypot(clip, head_clip)
+
+
 @dataclass(frozen=True)
 class DPSGDParams:
     """The DP parameters of one silo's round, as sent by the server and checked by the silo."""
@@ -45,8 +51,7 @@ class DPSGDParams:
 
     @property
     def sensitivity(self) -> float:
-        """The L2 bound on one example's clipped gradient: C, or √(C² + C_h²) with a separate head."""
-        return math.hypot(self.clip, self.head_clip)
+        return clipped_sensitivity(self.clip, self.head_clip)
 
     def sample_rate(self, num_examples: int) -> float:
         return min(1.0, self.batch_size / num_examples)

@@ -8,8 +8,6 @@ some or all sampled clients dropped out. All privacy math is in ``fedpower_app.a
 
 from __future__ import annotations
 
-import math
-
 import logging
 from typing import Any
 
@@ -208,8 +206,9 @@ class SiloDPSGD:
 
     @property
     def sensitivity(self) -> float:
-        """One example's L2 bound on a step's clipped sum: C, or √(C² + C_h²) with the head apart."""
-        return math.hypot(self.clip_norm, self.head_clip)
+        from .dp_sgd import clipped_sensitivity  # the silo's own formula (one home)
+
+        return clipped_sensitivity(self.clip_norm, self.head_clip)
 
     def summary_lines(self) -> list[str]:
         q = max(self.rates.values())
