@@ -337,3 +337,105 @@ def gdp_mu_estimate(neg, pos) -> float:
 def gdp_epsilon_estimate(neg, pos, delta: float) -> float:
     """``gaussian_epsilon(gdp_mu_estimate(neg, pos), delta)``: epsilon estimate from a GDP fit."""
     return gaussian_epsilon(gdp_mu_estimate(neg, pos), delta)
+
+
+# --------------------------------------------------------------------------------------------
+# One-run auditing with canaries (Steinke, Nasr & Jagielski 2023)
+# --------------------------------------------------------------------------------------------
+
+
+def steinke_p_value(eps: float, r: int, v: int, m: int, delta: float) -> float:
+    """Upper bound on P[v or more of r guesses correct] for an (eps, delta)-DP mechanism whose m
+    canaries were each included independently with probability 1/2 (Steinke et al. 2023, Thm 5.2)::
+
+        P[Bin(r, q) >= v] + 2 m delta * max_{1 <= i <= v} P[v - i <= Bin(r, q) < v] / i,
+        q = e^eps / (1 + e^eps).
+    """
+    if not 0 <= v <= r <= m:
+        raise ValueError(f"need 0 <= v <= r <= m, got v={v}, r={r}, m={m}")
+    q = special.expit(eps)
+    tail = float(stats.binom.sf(v - 1, r, q))  # P[Bin >= v]
+    if delta <= 0 or v == 0:
+        return min(1.0, tail)
+    i = np.arange(1, v + 1)
+    cdf_below_v = stats.binom.cdf(v - 1, r, q)
+    cdf_below_v_minus_i = stats.binom.cdf(v - i - 1, r, q)  # P[Bin < v - i]
+    extra = float(np.max((cdf_below_v - cdf_below_v_minus_i) / i))
+    return min(1.0, tail + 2.0 * m * delta * extra)
+
+
+def steinke_epsilon_lower_bound(r: int, v: int, m: int, delta: float, beta: float = 0.05,
+                                eps_max: float = 50.0) -> float:
+    """The one-run lower bound eps_hat: the largest eps that the observation "v of r guesses right"
+    rejects at level ``beta`` (p-value < beta), found by bisection (the p-value grows with eps).
+
+    Valid when the r guesses are fixed in advance (how many IN and OUT guesses) and each of the m
+    canaries was included by its own fair coin. 0 when nothing is rejected."""
+    if not 0 < beta < 1:
+        raise ValueError(f"beta must be in (0, 1), got {beta}")
+    if r == 0 or steinke_p_value(0.0, r, v, m, delta) >= beta:
+        return 0.0
+    lo, hi = 0.0, eps_max
+    if steinke_p_value(hi, r, v, m, delta) < beta:
+        return hi
+    for _ in range(60):
+        mid = 0.5 * (lo + hi)
+        if steinke_p_value(mid, r, v, m, delta) < beta:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def steinke_ceiling(m: int, delta: float, beta: float = 0.05, guesses: int | None = None) -> float:
+    """The largest eps_hat an audit with m canaries (``guesses`` of them guessed) can ever certify:
+    the bound when every guess is right. A small eps_hat is not evidence of privacy beyond it."""
+    r = m if guesses is None else guesses
+    return steinke_epsilon_lower_bound(r, r, m, delta, beta)
+
+
+@dataclass
+class CanaryAudit:
+    """Outcome of a one-run canary audit (guess counts fixed in advance)."""
+
+    canaries: int
+    guesses_in: int
+    guesses_out: int
+    correct: int
+    delta: float
+    confidence: float
+    epsilon_lower_bound: float
+    ceiling: float
+    claimed_epsilon: Optional[float]
+
+    @property
+    def violated(self) -> bool:
+        """True when the audit proves the claim false: eps_hat exceeds the claimed eps."""
+        return self.claimed_epsilon is not None and self.epsilon_lower_bound > self.claimed_epsilon + 1e-9
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "violated": self.violated}
+
+
+def canary_audit(scores, included, *, delta: float, guess_fraction: float = 0.1, beta: float = 0.05,
+                 claimed_epsilon: Optional[float] = None) -> CanaryAudit:
+    """Steinke et al.'s one-run audit from canary scores (larger = more likely included) and their
+    inclusion coins: guess IN for the top ``guess_fraction`` of canaries and OUT for the bottom
+    ``guess_fraction`` (fixed before looking), abstain on the rest, and bound eps from the number
+    of correct guesses. Scores of several independent runs may be pooled: each (run, canary) pair
+    is then one canary with its own coin, and m is the pooled count."""
+    s = np.asarray(scores, dtype=float).ravel()
+    inc = np.asarray(included, dtype=bool).ravel()
+    if s.shape != inc.shape:
+        raise ValueError(f"{s.size} scores but {inc.size} inclusion coins")
+    m = s.size
+    if not 0 < guess_fraction <= 0.5:
+        raise ValueError(f"guess_fraction must be in (0, 0.5], got {guess_fraction}")
+    k = int(math.floor(guess_fraction * m))
+    order = np.argsort(s, kind="stable")
+    guess_out, guess_in = order[:k], order[m - k:] if k else order[:0]
+    correct = int(inc[guess_in].sum() + (~inc[guess_out]).sum())
+    eps_hat = steinke_epsilon_lower_bound(2 * k, correct, m, delta, beta)
+    return CanaryAudit(canaries=m, guesses_in=k, guesses_out=k, correct=correct, delta=delta, confidence=1 - beta,
+                       epsilon_lower_bound=eps_hat, ceiling=steinke_ceiling(m, delta, beta, guesses=2 * k),
+                       claimed_epsilon=claimed_epsilon)

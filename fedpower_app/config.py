@@ -71,6 +71,7 @@ SCHEMA: dict[str, tuple[type, Callable[[Any], str | None] | None]] = {
     "task.synthetic-train-size": (int, _min1),
     "task.synthetic-eval-size": (int, _min1),
     "task.cache-dir": (str, None),
+    "task.train-rows": (str, None),
     "model.name": (str, None),
     "model.target-modules": (str, None),
     "model.train-head": (bool, None),

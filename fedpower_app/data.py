@@ -6,6 +6,7 @@ directory (``task.data-dir``) or from the Hugging Face hub (``fedpower_app.glue`
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -26,19 +27,48 @@ def load_task(cfg: RunConfig) -> TaskData:
     """The configured task's train and evaluation splits (cached per process)."""
     return _load_task_cached(
         cfg["task.name"], cfg["task.data-dir"], cfg["task.max-train"], cfg["task.max-eval"],
-        cfg["task.synthetic-train-size"], cfg["task.synthetic-eval-size"], cfg["seed"],
+        cfg["task.synthetic-train-size"], cfg["task.synthetic-eval-size"], cfg["seed"], cfg["task.train-rows"],
     )
 
 
 @lru_cache(maxsize=4)
-def _load_task_cached(name, data_dir, max_train, max_eval, syn_train, syn_eval, seed) -> TaskData:
+def _load_task_cached(name, data_dir, max_train, max_eval, syn_train, syn_eval, seed, train_rows="") -> TaskData:
     if name == "synthetic":
         from .synthetic import load_synthetic
 
-        return load_synthetic(syn_train, syn_eval, seed)
-    from .glue import load_glue
+        task = load_synthetic(syn_train, syn_eval, seed)
+    else:
+        from .glue import load_glue
 
-    return load_glue(name, data_dir or None, max_train=max_train or None, max_eval=max_eval or None, seed=seed)
+        task = load_glue(name, data_dir or None, max_train=max_train or None, max_eval=max_eval or None, seed=seed)
+    return select_train_rows(task, train_rows) if train_rows else task
+
+
+def select_train_rows(task: TaskData, path: str) -> TaskData:
+    """The task with its train split replaced by the rows (and labels) listed in ``path``.
+
+    This is how a membership audit decides, per run, which examples are members: the evaluation
+    splits are untouched, and a label may differ from the split's (a label-flipped canary)."""
+    try:
+        spec = json.loads(Path(path).read_text())
+        rows, labels = [int(r) for r in spec["rows"]], [int(y) for y in spec["labels"]]
+    except OSError as exc:
+        raise ValueError(f"task.train-rows: cannot read {path}: {exc.strerror or exc}") from None
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"task.train-rows: {path} is not a JSON object with integer lists 'rows' and 'labels' ({exc})") from None
+    n = len(task.train)
+    if len(rows) != len(labels):
+        raise ValueError(f"task.train-rows: {path} lists {len(rows)} rows but {len(labels)} labels")
+    if not rows:
+        raise ValueError(f"task.train-rows: {path} lists no rows")
+    bad = [r for r in rows if not 0 <= r < n]
+    if bad:
+        raise ValueError(f"task.train-rows: row {bad[0]} is outside the train split (0..{n - 1})")
+    if not all(0 <= y < task.num_labels for y in labels):
+        raise ValueError(f"task.train-rows: labels in {path} must lie in 0..{task.num_labels - 1}")
+    picked = task.train.select(rows)
+    train = TextExamples(text_a=picked.text_a, labels=labels, text_b=picked.text_b)
+    return dataclasses.replace(task, train=train)
 
 
 def partition_indices(num_examples: int, num_partitions: int, partition_id: int, seed: int) -> list[int]:
@@ -120,6 +150,11 @@ def tokenized_cached(examples: TextExamples, tokenizer, max_length: int, cache_r
     return split
 
 
+def _file_digest(path: str) -> str:
+    """Content hash of a small file (the token cache must change when the listed rows do)."""
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16] if path else ""
+
+
 def client_shard(cfg: RunConfig, tokenizer, partition_id: int, num_partitions: int) -> TokenizedSplit:
     """The tokenised training shard of one silo."""
     if not 0 <= partition_id < num_partitions:
@@ -128,7 +163,8 @@ def client_shard(cfg: RunConfig, tokenizer, partition_id: int, num_partitions: i
     idx = partition_indices(len(task.train), num_partitions, partition_id, cfg["seed"])
     key = {"task": task.name, "split": "train", "part": partition_id, "of": num_partitions,
            "seed": cfg["seed"], "max_len": cfg["task.max-length"], "data": cfg["task.data-dir"],
-           "max_train": cfg["task.max-train"], "syn": cfg["task.synthetic-train-size"]}
+           "max_train": cfg["task.max-train"], "syn": cfg["task.synthetic-train-size"],
+           "rows": _file_digest(cfg["task.train-rows"])}
     return tokenized_cached(task.train.select(idx), tokenizer, cfg["task.max-length"], cache_dir(cfg), key)
 
 
