@@ -62,6 +62,7 @@ SCHEMA: dict[str, tuple[type, Callable[[Any], str | None] | None]] = {
     "seed": (int, None),
     "run-name": (str, None),
     "output-dir": (str, None),
+    "resume": (bool, None),
     "device": (str, _in(DEVICES)),
     "task.name": (str, _in(TASKS)),
     "task.data-dir": (str, None),

@@ -920,6 +920,24 @@ def parse_set(items) -> dict[str, Any]:
     return out
 
 
+def resume_overrides(run_dir: str | Path) -> dict[str, Any]:
+    """The run config of a run to resume: its resolved config (results.json), with ``resume`` set,
+    checked against its checkpoint now, so a refused checkpoint fails before anything starts."""
+    from .checkpoint import CheckpointError, load_checkpoint
+
+    run_dir = Path(run_dir).expanduser().resolve()
+    try:
+        config = json.loads((run_dir / "results.json").read_text())["config"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(f"--resume {run_dir}: no readable results.json with the run's config ({exc})") from None
+    config = {**config, "resume": True, "output-dir": str(run_dir.parent), "run-name": run_dir.name}
+    try:
+        load_checkpoint(run_dir, config=config, strategy=str(config.get("strategy.name")))
+    except CheckpointError as exc:
+        raise ConfigError(f"--resume: {exc}") from None
+    return config
+
+
 def check_launch(overrides: dict[str, Any], *, app_dir: str | Path = PROJECT_ROOT, num_supernodes: int = 6,
                  cpus_per_client: float = 1, gpus_per_client: float = 0.0,
                  flwr_home: str | Path | None = None) -> RunConfig:
@@ -1024,11 +1042,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--flwr-home", default=os.environ.get("FLWR_HOME"), help="Flower home (default ~/.flwr)")
     p.add_argument("--verbose", action="store_true",
                    help="show all output (Flower DEBUG log, Ray and library warnings, progress bars)")
+    p.add_argument("--resume", metavar="RUN_DIR",
+                   help="continue a stopped or killed run from its last checkpoint (outputs/<run>); its "
+                        "configuration is read from RUN_DIR/results.json")
     args = p.parse_args(argv)
 
     # 1. Everything that needs no data, before any process starts.
     try:
         overrides = {**(load_preset(args.preset) if args.preset else {}), **parse_set(args.set)}
+        if args.resume:
+            overrides = {**resume_overrides(args.resume), **overrides}
         check_launch(overrides, app_dir=args.app, num_supernodes=args.supernodes,
                      cpus_per_client=args.cpus_per_client, gpus_per_client=args.gpus_per_client,
                      flwr_home=args.flwr_home)

@@ -70,6 +70,14 @@ class AccountedPrivacy(ServerSideDefaults):
     def epsilon(self) -> float | None:
         return self.ledger.epsilon() if self.ledger.rounds_recorded else 0.0
 
+    def state_dict(self) -> dict:
+        return {"kind": "server", "ledger": self.ledger.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("kind") != "server":
+            raise ValueError(f"privacy state of kind {state.get('kind')!r} cannot resume a server-noise run")
+        self.ledger.load_state_dict(state["ledger"])
+
     # -- reporting ---------------------------------------------------------------------------
     def describe(self) -> dict[str, Any]:
         return {"source": self.source, "plan": self.plan.to_dict(), "calibration": self.calibration.to_dict()}
@@ -184,6 +192,30 @@ class SiloDPSGD:
 
     def epsilon(self) -> float:
         return max(ledger.epsilon() for ledger in self.ledgers.values())
+
+    def state_dict(self) -> dict:
+        """Every silo's ledger, by population index (node ids change when a run restarts)."""
+        return {"kind": "silo", "sigma": self.sigma,
+                "silos": [{"n": self.sizes[node], "ledger": self.ledgers[node].state_dict()} for node in self.silos]}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("kind") != "silo":
+            raise ValueError(f"privacy state of kind {state.get('kind')!r} cannot resume a DP-SGD run")
+        saved = state["silos"]
+        sizes = [self.sizes[node] for node in self.silos]
+        if [int(s["n"]) for s in saved] != sizes:
+            raise ValueError(f"the checkpoint's silos hold {[int(s['n']) for s in saved]} examples, this run's "
+                             f"{sizes}: another population")
+        if abs(float(state["sigma"]) - self.sigma) > 1e-12 * max(1.0, self.sigma):
+            raise ValueError(f"the checkpoint's noise multiplier {state['sigma']} differs from this run's {self.sigma}")
+        for node, s in zip(self.silos, saved):
+            self.ledgers[node] = SiloLedger.from_state_dict(s["ledger"])
+
+    def charge_lost_release(self, silos: list[int]) -> None:
+        """The silos of a round lost in flight released noised updates nobody can reproduce."""
+        for i in silos:
+            node = self.silos[i]
+            self.ledgers[node].record(self.rates[node], self.sigma, self.local_steps)
 
     # -- reporting ---------------------------------------------------------------------------
     def silo_table(self) -> list[dict[str, Any]]:

@@ -55,6 +55,19 @@ class ResultsWriter:
         }
         self.flush()
 
+    @classmethod
+    def restore(cls, run_dir: Path, data: dict[str, Any], *, elapsed: float) -> "ResultsWriter":
+        """Continue a checkpointed run: its results as of the checkpoint (later rounds of the killed
+        attempt, if results.json holds any, are discarded: they are re-run)."""
+        self = cls.__new__(cls)
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / "results.json"
+        self.started = time.time() - elapsed
+        self.data = dict(data)
+        self.data["status"] = "running"
+        self.flush()
+        return self
+
     def set(self, key: str, value: Any) -> None:
         self.data[key] = value
         self.flush()

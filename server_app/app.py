@@ -8,6 +8,7 @@ totals; rewritten after every round) and ``<output-dir>/<run-name>/adapter/`` (P
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from pathlib import Path
@@ -16,6 +17,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid, ServerApp
 
+from fedpower_app import checkpoint as CK
 from fedpower_app import data as D
 from fedpower_app import model as M
 from fedpower_app.config import RunConfig, parse_config
@@ -131,21 +133,84 @@ def progress_line(report: RoundReport, metrics: MetricRecord | None, num_rounds:
             + (f"| round {round_seconds:.1f} s " if round_seconds is not None else "") + f"| elapsed {wall:.1f} s")
 
 
+def resume_state(cfg: RunConfig, run_dir: Path, checkpoint: dict | None, strategy, privacy,
+                 population_sizes: list[int], results: ResultsWriter, initial_state: dict) -> tuple[int, dict]:
+    """Restore a checkpoint into the strategy and the privacy layer; account for a round that was
+    in flight at the kill (docs/privacy.md §11). Returns (first round to run, global adapters)."""
+    inflight = CK.read_inflight(run_dir) if cfg["resume"] else None
+    done = int(checkpoint["round"]) if checkpoint else 0
+    state = initial_state
+    if checkpoint:
+        if list(checkpoint["population_sizes"]) != population_sizes:
+            raise CK.CheckpointError(f"the checkpoint's silos held {list(checkpoint['population_sizes'])} examples, "
+                                     f"the connected ones hold {population_sizes}: another population; refusing to resume")
+        try:
+            privacy.load_state_dict(checkpoint["privacy"])
+        except ValueError as exc:
+            raise CK.CheckpointError(f"the checkpoint's privacy ledgers do not fit this run: {exc}") from None
+        state = {k: v.to(torch.float32) for k, v in checkpoint["global_state"].items()}
+        if state.keys() != initial_state.keys() or any(state[k].shape != initial_state[k].shape for k in state):
+            raise CK.CheckpointError("the checkpoint's adapters do not match this model (keys or shapes differ)")
+        strategy.global_state = {k: v.clone() for k, v in state.items()}
+        strategy.stopped_reason = checkpoint.get("stopped_reason")
+    note = {"at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "after_round": done, "inflight_round": None}
+    if inflight and inflight["round"] == done + 1:
+        note["inflight_round"] = inflight["round"]
+        if cfg["dp.noise"] == "hardened" and privacy.enabled:
+            privacy.charge_lost_release(inflight["silos"])
+            note["inflight_counted_as"] = (f"a lost release charged to silos {inflight['silos']} (hardened noise "
+                                           "cannot be reproduced); the re-run is charged again")
+        else:
+            note["inflight_counted_as"] = ("re-run with the same seeded draws: the same release, counted once"
+                                           if privacy.enabled else "non-private: nothing to count")
+        log.warning("resume: round %d was in flight at the interruption: %s", inflight["round"], note["inflight_counted_as"])
+    if cfg["resume"]:
+        results.data.setdefault("resumed", []).append(note)
+        results.flush()
+        if checkpoint:
+            log.info("resume: continuing after round %d of %d (eps so far %s)", done, cfg["num-server-rounds"],
+                     "n/a" if privacy.epsilon() is None else f"{privacy.epsilon():.3f}")
+    return done + 1, state
+
+
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     setup_logging()
-    cfg = parse_config(context.run_config)
+    run_server(grid, parse_config(context.run_config))
+
+
+def run_server(grid: Grid, cfg: RunConfig) -> None:
+    """The whole server side of a run (what ``main`` does after parsing the config)."""
     run_dir = run_directory(cfg)
-    results = ResultsWriter(run_dir, cfg.to_dict())
-    log.info("fedpower run %s -> %s", run_dir.name, results.path)
+    # A checkpoint is checked before anything is written: a refused one leaves the run untouched.
+    checkpoint = open_checkpoint(cfg, run_dir)
+    results = (ResultsWriter.restore(run_dir, checkpoint["results"], elapsed=float(checkpoint["elapsed"]))
+               if checkpoint else ResultsWriter(run_dir, cfg.to_dict()))
+    log.info("fedpower run %s -> %s%s", run_dir.name, results.path,
+             f" (resuming after round {checkpoint['round']})" if checkpoint else "")
     try:
-        _run(grid, cfg, run_dir, results)
+        _run(grid, cfg, run_dir, results, checkpoint=checkpoint)
     except Exception as exc:
         results.finish("failed", error=f"{type(exc).__name__}: {exc}")
         raise
 
 
-def _run(grid: Grid, cfg: RunConfig, run_dir: Path, results: ResultsWriter) -> None:
+def open_checkpoint(cfg: RunConfig, run_dir: Path) -> dict | None:
+    """With ``resume``: the run's last checkpoint (None if it has none). Raises CheckpointError for a
+    damaged or mismatched one. Without ``resume`` an existing checkpoint is refused too: starting
+    over in its directory would silently spend the budget again."""
+    if not cfg["resume"]:
+        if (run_dir / CK.CHECKPOINT_FILE).exists():
+            raise CK.CheckpointError(f"{run_dir} holds a checkpoint of an earlier run; resume it (resume = true, "
+                                     "or fedpower-run --resume) or choose another run-name / output-dir")
+        return None
+    payload = CK.load_checkpoint(run_dir, config=cfg.to_dict(), strategy=cfg["strategy.name"])
+    if payload is None:
+        log.info("resume: %s has no checkpoint; starting from round 1", run_dir)
+    return payload
+
+
+def _run(grid: Grid, cfg: RunConfig, run_dir: Path, results: ResultsWriter, checkpoint: dict | None = None) -> None:
     task = D.load_task(cfg)
     device = M.resolve_device(cfg["device"])
     model = M.cached_model(cfg, task.num_labels)
@@ -181,7 +246,10 @@ def _run(grid: Grid, cfg: RunConfig, run_dir: Path, results: ResultsWriter) -> N
         refactor_every=cfg["strategy.refactor-every"],
     )
     evaluate_fn = CentralEvaluator(cfg, model, splits, device)
-    t_start = time.time()
+    t_start = time.time() - (float(checkpoint["elapsed"]) if checkpoint else 0.0)
+    population_sizes = [int(sizes[node]) for node in sizes]
+    first_round, arrays = resume_state(cfg, run_dir, checkpoint, strategy, privacy, population_sizes, results,
+                                       initial_state)
 
     def on_round(report: RoundReport, metrics: MetricRecord | None) -> None:
         row = report.to_dict()
@@ -198,22 +266,39 @@ def _run(grid: Grid, cfg: RunConfig, run_dir: Path, results: ResultsWriter) -> N
         if paper:  # the paper's calibration: show the true epsilon, never the claimed one as a budget
             line = line.replace("| eps ", f"| TRUE eps (paper claims {cfg['dp.epsilon']:g}) ")
         log.info("%s", line)
+        # After the round's results: the checkpoint that a restart continues from.
+        CK.save_checkpoint(run_dir, {
+            "round": report.server_round, "strategy": cfg["strategy.name"],
+            "fingerprint": CK.config_fingerprint(cfg.to_dict()), "config_json": json.dumps(cfg.to_dict(), default=str),
+            "global_state": {k: v.clone() for k, v in strategy.global_state.items()},
+            "privacy": privacy.state_dict(), "population_sizes": population_sizes,
+            "results": results.data, "elapsed": time.time() - t_start,
+            "noise": {"mode": cfg["dp.noise"], "seed": cfg["seed"],
+                      "position": "stateless: every generator is derived from (seed, stream, round)"},
+            "stopped_reason": strategy.stopped_reason})
 
-    initial = evaluate_fn(0, ArrayRecord(initial_state))
-    if initial is not None:
-        results.set("initial_evaluation", {k: float(v) for k, v in initial.items()})
-        log.info("[round 0] acc %.4f loss %.4f (initial model)", initial["accuracy"], initial["loss"])
+    def on_round_start(server_round: int, nodes: list[int]) -> None:
+        order = {node: i for i, node in enumerate(sizes)}
+        CK.write_inflight(run_dir, server_round, [order[n] for n in nodes if n in order])
+
+    if first_round == 1:
+        initial = evaluate_fn(0, ArrayRecord(initial_state))
+        if initial is not None:
+            results.set("initial_evaluation", {k: float(v) for k, v in initial.items()})
+            log.info("[round 0] acc %.4f loss %.4f (initial model)", initial["accuracy"], initial["loss"])
 
     result = strategy.start(
         grid=grid,
-        initial_arrays=ArrayRecord(initial_state),
+        initial_arrays=ArrayRecord(arrays),
         num_rounds=cfg["num-server-rounds"],
         timeout=cfg["strategy.round-timeout"],
         evaluate_fn=lambda r, a: None if r == 0 else evaluate_fn(r, a),
         on_round=on_round,
+        first_round=first_round,
+        on_round_start=on_round_start,
     )
 
-    final_state = result.arrays.to_torch_state_dict() if len(result.arrays) else initial_state
+    final_state = result.arrays.to_torch_state_dict() if len(result.arrays) else arrays
     if not evaluate_fn.evaluated(final_state):  # e.g. the budget stopped the run before its last round
         final_metrics = evaluate_fn.evaluate_state(final_state)
         results.set("final_evaluation", {k: float(v) for k, v in final_metrics.items()})

@@ -344,11 +344,14 @@ class LoRAStrategy(Strategy):
         evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
         on_round: Callable[[RoundReport, MetricRecord | None], None] | None = None,
         first_round: int = 1,
+        on_round_start: Callable[[int, list[int]], None] | None = None,
     ) -> Result:
         """Flower's round loop plus a budget check before every release and a per-round callback.
 
         A round that would cross the privacy budget is not started: the run stops with
-        ``stopped_reason`` set and the model of the last released round.
+        ``stopped_reason`` set and the model of the last released round. ``on_round_start(round,
+        nodes)`` runs after the round's silos are chosen and before any message leaves (the
+        ServerApp journals the round there); ``first_round`` > 1 continues a checkpointed run.
         """
         self.summary()
         train_config = ConfigRecord() if train_config is None else train_config
@@ -356,7 +359,7 @@ class LoRAStrategy(Strategy):
         result = Result()
         arrays = initial_arrays
         result.arrays = initial_arrays
-        if evaluate_fn is not None:
+        if evaluate_fn is not None and first_round == 1:
             res = evaluate_fn(first_round - 1, arrays)
             if res is not None:
                 result.evaluate_metrics_serverapp[first_round - 1] = res
@@ -368,6 +371,8 @@ class LoRAStrategy(Strategy):
                 log.warning("stopping before round %d: %s", server_round, exc)
                 break
             messages = list(self.configure_train(server_round, arrays, train_config, grid))
+            if on_round_start is not None:
+                on_round_start(server_round, list(self._sampled))
             replies = exchange(grid, messages, timeout)
             new_arrays, train_metrics = self.aggregate_train(server_round, replies)
             if new_arrays is not None:

@@ -12,6 +12,10 @@ A strategy asks its ``PrivacyHook``, round by round:
   noise is added on the silos).
 * ``record(...)``: a server release happened (it always counts, even if silos dropped out).
 * ``epsilon()``: ε spent so far (the maximum over silos for DP-SGD), or None when non-private.
+* ``state_dict()`` / ``load_state_dict(state)``: every ledger, for checkpoints; loading refuses a
+  state from another plan or population.
+* ``charge_lost_release(silos)``: a round that was in flight when the server died, and whose noise
+  cannot be reproduced, released something: charge it to those silos (population indices).
 
 ``noise_at`` says where the noise is added: ``"server"`` (the paper's mechanisms), ``"silo"``
 (DP-SGD; the server's merge, average and refactorization are post-processing) or None.
@@ -36,6 +40,9 @@ class PrivacyHook(Protocol):
     def check(self, round_type: str, server_round: int) -> None: ...
     def record(self, round_type: str, server_round: int, num_sampled: int, num_aggregated: int) -> None: ...
     def epsilon(self) -> float | None: ...
+    def state_dict(self) -> dict: ...
+    def load_state_dict(self, state: dict) -> None: ...
+    def charge_lost_release(self, silos: list[int]) -> None: ...
     @property
     def clip(self) -> float | None: ...
     @property
@@ -52,6 +59,11 @@ class ServerSideDefaults:
         return {}
 
     def record_sent(self, nodes: list[int], server_round: int) -> None:
+        return None
+
+    def charge_lost_release(self, silos: list[int]) -> None:
+        # Server-side noise: a round killed before its checkpoint never left the server (the
+        # release is published by the checkpoint or the next round's messages), so it costs nothing.
         return None
 
 
@@ -73,3 +85,10 @@ class NoPrivacy(ServerSideDefaults):
 
     def epsilon(self) -> float | None:
         return None
+
+    def state_dict(self) -> dict:
+        return {"kind": "none"}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("kind") != "none":
+            raise ValueError(f"privacy state of kind {state.get('kind')!r} cannot resume a non-private run")

@@ -1,0 +1,176 @@
+"""Checkpoint and resume: atomic checkpoints, refusal of damaged or mismatched ones, and runs killed
+with SIGKILL at fault points that resume to the same final adapters, rounds and epsilon."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fedpower_app import checkpoint as CK
+from fedpower_app.config import PROJECT_ROOT, parse_config
+
+TINY = {"task.synthetic-train-size": 240, "task.synthetic-eval-size": 80, "task.max-length": 32,
+        "train.local-steps": 2, "train.batch-size": 16, "strategy.client-rate": 1.0,
+        "train.lr": 0.003, "train.lr-schedule": "constant", "num-server-rounds": 3, "run-name": "run"}
+
+
+def payload(round_=2, **kw):
+    cfg = parse_config({**TINY, **kw.pop("cfg", {})}).to_dict()
+    return cfg, {"round": round_, "strategy": cfg["strategy.name"], "fingerprint": CK.config_fingerprint(cfg),
+                 "config_json": json.dumps(cfg), "global_state": {"w": torch.arange(6.0).reshape(2, 3)},
+                 "privacy": {"kind": "none"}, "results": {"rounds": [{"accuracy": 0.5}]}, **kw}
+
+
+def test_checkpoint_round_trip_is_exact(tmp_path):
+    cfg, p = payload()
+    CK.save_checkpoint(tmp_path, p)
+    got = CK.load_checkpoint(tmp_path, config=cfg, strategy=cfg["strategy.name"])
+    assert got["round"] == 2 and torch.equal(got["global_state"]["w"], p["global_state"]["w"])
+    assert got["results"] == p["results"]
+    assert not list(tmp_path.glob("*.tmp*"))  # the temporary file was renamed
+    assert CK.load_checkpoint(tmp_path / "none", config=cfg, strategy="fedpower") is None
+    # a key that does not change the math may differ
+    assert CK.load_checkpoint(tmp_path, config={**cfg, "strategy.round-timeout": 5.0, "resume": True},
+                              strategy=cfg["strategy.name"])
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda b: b[: len(b) // 2], "truncated or damaged"),
+    (lambda b: b[:-10] + bytes(10), "truncated or damaged"),
+    (lambda b: b"garbage" + b, "not a fedpower checkpoint"),
+    (lambda b: b"", "not a fedpower checkpoint"),
+])
+def test_damaged_checkpoint_is_refused(tmp_path, damage, message):
+    cfg, p = payload()
+    path = CK.save_checkpoint(tmp_path, p)
+    path.write_bytes(damage(path.read_bytes()))
+    with pytest.raises(CK.CheckpointError, match=message):
+        CK.load_checkpoint(tmp_path, config=cfg, strategy=cfg["strategy.name"])
+
+
+def test_mismatched_checkpoint_is_refused_with_the_reason(tmp_path):
+    cfg, p = payload()
+    CK.save_checkpoint(tmp_path, p)
+    with pytest.raises(CK.CheckpointError, match="written by strategy 'fedpower'; this run is 'fedlora'"):
+        CK.load_checkpoint(tmp_path, config=cfg, strategy="fedlora")
+    other = {**cfg, "dp.epsilon": 3.0, "lora.rank": 4}
+    with pytest.raises(CK.CheckpointError, match=r"differs in: dp.epsilon, lora.rank"):
+        CK.load_checkpoint(tmp_path, config=other, strategy=cfg["strategy.name"])
+
+
+def test_a_run_directory_with_a_checkpoint_is_not_silently_restarted(tmp_path):
+    from server_app.app import open_checkpoint, run_directory
+
+    cfg = parse_config({**TINY, "output-dir": str(tmp_path)})
+    run_dir = run_directory(cfg)
+    _, p = payload()
+    CK.save_checkpoint(run_dir, p)
+    with pytest.raises(CK.CheckpointError, match="holds a checkpoint of an earlier run"):
+        open_checkpoint(cfg, run_dir)
+
+
+def test_inflight_journal(tmp_path):
+    assert CK.read_inflight(tmp_path) is None
+    CK.write_inflight(tmp_path, 3, [0, 2])
+    assert CK.read_inflight(tmp_path) == {"round": 3, "silos": [0, 2]}
+    (tmp_path / CK.INFLIGHT_FILE).write_text("{")
+    assert CK.read_inflight(tmp_path) is None
+
+
+def test_silo_ledgers_checkpoint_by_population_index():
+    from fedpower_app.privacy import SiloDPSGD
+
+    cfg = parse_config({**TINY, "dp.noise-at": "silo"})
+    a = SiloDPSGD(cfg, {11: 120, 12: 120})
+    a.record_sent([11, 12], 1)
+    a.record_sent([11], 2)
+    state = json.loads(json.dumps(a.state_dict()))
+    b = SiloDPSGD(cfg, {901: 120, 77: 120})  # a restarted run: new node ids, same silos in order
+    b.load_state_dict(state)
+    assert [led.rounds for led in b.ledgers.values()] == [2, 1] and b.epsilon() == pytest.approx(a.epsilon())
+    c = SiloDPSGD(cfg, {1: 100, 2: 140})
+    with pytest.raises(ValueError, match="another population"):
+        c.load_state_dict(state)
+    b.charge_lost_release([1])
+    assert [led.rounds for led in b.ledgers.values()] == [2, 2]
+
+
+# ------------------------------------------------------------------------------------------------
+# Kill with SIGKILL, resume, compare with an uninterrupted run (in-process ServerApp + ClientApp)
+# ------------------------------------------------------------------------------------------------
+
+WORKER = str(Path(__file__).with_name("_resume_worker.py"))
+
+
+def run_worker(cfg: dict, fault: str | None = None) -> int:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(PROJECT_ROOT)}
+    env.pop("FEDPOWER_FAULT", None)
+    if fault:
+        env["FEDPOWER_FAULT"] = fault
+    proc = subprocess.run([sys.executable, WORKER, json.dumps(cfg)], env=env, cwd=PROJECT_ROOT,
+                          capture_output=True, text=True, timeout=900)
+    if proc.returncode not in (0, -signal.SIGKILL):
+        raise AssertionError(proc.stderr[-3000:])
+    return proc.returncode
+
+
+def final(run_dir: Path) -> tuple[bytes, dict]:
+    return (run_dir / "adapter" / "adapter_model.safetensors").read_bytes(), json.loads((run_dir / "results.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    out = tmp_path_factory.mktemp("base")
+    cfg = {**TINY, "output-dir": str(out), "dp.noise-at": "silo"}
+    assert run_worker(cfg) == 0
+    return final(out / "run")
+
+
+def _kill_and_resume(tmp_path, fault: str, **extra):
+    cfg = {**TINY, "output-dir": str(tmp_path), "dp.noise-at": "silo", **extra}
+    assert run_worker(cfg, fault) == -signal.SIGKILL  # killed where the fault says
+    killed = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert killed["status"] == "running"  # a SIGKILL leaves no chance to write anything else
+    assert run_worker({**cfg, "resume": True}) == 0
+    return final(tmp_path / "run")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["after-journal:2", "checkpoint-tmp-written:2", "after-checkpoint:2",
+                                   "after-journal:1", "after-checkpoint:3"])
+def test_killed_run_resumes_to_the_uninterrupted_result(tmp_path, uninterrupted, fault):
+    adapters, results = _kill_and_resume(tmp_path, fault)
+    base_adapters, base = uninterrupted
+    assert adapters == base_adapters  # bit-identical final adapters (seeded mode)
+    assert [r["server_round"] for r in results["rounds"]] == [1, 2, 3]  # no round lost or repeated
+    assert [r["accuracy"] for r in results["rounds"]] == [r["accuracy"] for r in base["rounds"]]
+    assert results["totals"]["final_epsilon"] == pytest.approx(base["totals"]["final_epsilon"], rel=1e-12)
+    ledgers = [s["entries"] for s in results["privacy_final"]["ledgers"].values()]
+    assert ledgers == [s["entries"] for s in base["privacy_final"]["ledgers"].values()]  # no eps twice or dropped
+    note = results["resumed"][-1]
+    point, rnd = fault.split(":")
+    done = int(rnd) - 1 if point != "after-checkpoint" else int(rnd)
+    assert note["after_round"] == done
+    assert note["inflight_round"] == (None if point == "after-checkpoint" else int(rnd))
+    assert results["status"] == "completed"
+
+
+@pytest.mark.slow
+def test_hardened_inflight_round_is_charged_as_a_lost_release(tmp_path):
+    cfg = {**TINY, "output-dir": str(tmp_path), "dp.noise-at": "silo", "dp.noise": "hardened", "dp.epsilon": 50.0}
+    assert run_worker(cfg, "after-journal:2") == -signal.SIGKILL
+    assert run_worker({**cfg, "resume": True}) == 0
+    res = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert res["resumed"][-1]["inflight_round"] == 2 and "lost release" in res["resumed"][-1]["inflight_counted_as"]
+    # sigma is calibrated so that 3 charges use the whole budget: the lost release of round 2 is the
+    # third charge, so round 3 is never sent (the budget holds; nothing is counted twice or dropped)
+    assert [s["entries"][0][3] for s in res["privacy_final"]["ledgers"].values()] == [3, 3]
+    assert [r["server_round"] for r in res["rounds"]] == [1, 2] and res["status"] == "stopped-budget"
+    assert res["privacy_final"]["epsilon_spent"] <= 50.0 * (1 + 1e-9)
