@@ -430,6 +430,8 @@ def run_cell(spec: GridSpec, cell: Cell, out: Path, *, flwr_home: Path, port: in
         entry["error"] = data.get("error") or _last_error_line(output)
     if not keep_adapters:
         shutil.rmtree(cell_dir / "adapter", ignore_errors=True)
+        if status in FINISHED:  # a finished cell is never resumed; its checkpoint holds only adapters
+            (cell_dir / "checkpoint.pt").unlink(missing_ok=True)
     _write_json(cell_dir / "cell.json", entry)
     return entry
 
@@ -514,7 +516,7 @@ def run_grid(spec: GridSpec, out: Path, *, flwr_home: Path | None = None, port: 
     gitignore = out / ".gitignore"
     if not gitignore.exists():
         gitignore.write_text("# written by fedpower-experiment: Flower state and model adapters are not results\n"
-                             "flwr-home/\ncells/*/adapter/\n*.tmp\n")
+                             "flwr-home/\ncells/*/adapter/\ncells/*/checkpoint.pt\ncells/*/inflight.json\n*.tmp*\n")
     manifest_home = str(flwr_home)
     manifest = Manifest(out)
     manifest.data["format"] = FORMAT

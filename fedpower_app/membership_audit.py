@@ -271,6 +271,7 @@ def run_one(plan: AuditPlan, out: Path, run: int, *, flwr_home: Path, port: int,
                         privacy=np.array(json.dumps(curve)))
     os.replace(tmp, d / "audit.npz")
     shutil.rmtree(d / "adapter", ignore_errors=True)  # the logits are what the audit needs
+    (d / "checkpoint.pt").unlink(missing_ok=True)
     totals = results.get("totals") or {}
     return {"run": run, "status": status, "seconds": round(time.time() - t0, 1),
             "accuracy": totals.get("final_accuracy"), "epsilon": curve.get("epsilon")}
@@ -288,7 +289,8 @@ def run_audit(plan: AuditPlan, out: Path, *, echo: bool = False, timeout: float 
     gitignore = out / ".gitignore"
     if not gitignore.exists():
         gitignore.write_text("# written by fedpower-audit: Flower state, adapters and row lists are not results\n"
-                             "flwr-home/\nruns/*/adapter/\nruns/*/train-rows.json\n*.tmp*\n")
+                             "flwr-home/\nruns/*/adapter/\nruns/*/train-rows.json\nruns/*/checkpoint.pt\n"
+                             "runs/*/inflight.json\n*.tmp*\n")
     unfinished = [r for r in range(plan.runs) if not run_finished(out, r)]
     todo = unfinished[:max_runs] if max_runs is not None else unfinished
     log(f"fedpower-audit: {plan.runs} runs, {plan.runs - len(unfinished)} already finished, {len(todo)} to run now -> {out}")
