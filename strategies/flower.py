@@ -36,7 +36,7 @@ from .releases import (
     output_perturbation_release,
 )
 from .privacy_contract import BudgetExhausted, NoPrivacy, PrivacyHook  # noqa: F401 (re-exported)
-from .validation import InvalidReply, validate_tensors
+from .validation import InvalidReply, check_declared_arrays, validate_tensors
 
 log = logging.getLogger("fedpower")
 
@@ -227,6 +227,12 @@ class LoRAStrategy(Strategy):
             raise InvalidReply("duplicate reply")
         if not msg.has_content() or "arrays" not in msg.content.array_records:
             raise InvalidReply("reply has no 'arrays' ArrayRecord")
+        record = msg.content.array_records["arrays"]
+        try:
+            declared = {k: (str(a.dtype), tuple(a.shape), len(a.data)) for k, a in record.items()}
+        except Exception as exc:  # malformed metadata
+            raise InvalidReply(f"arrays metadata could not be read: {exc}") from exc
+        check_declared_arrays(declared, self.expected_reply_shapes())  # before decoding anything
         try:
             tensors = msg.content.array_records["arrays"].to_torch_state_dict()
         except Exception as exc:  # unsupported dtype, corrupt payload, ...

@@ -168,6 +168,63 @@ def bad_handlers(base_app):
     return [nan_reply, wrong_shape, missing_key, error_reply, raises]
 
 
+def hostile_handlers(base_app):
+    """Replies whose problem shows in the metadata: they must be dropped before any decoding."""
+    from flwr.app import Array
+
+    def arrays_of(msg, ctx):
+        return dict(base_app(msg, ctx).content["arrays"].items())
+
+    def half_precision(msg, ctx):
+        st = base_app(msg, ctx).content["arrays"].to_torch_state_dict()
+        k = next(iter(st))
+        st[k] = st[k].half()
+        return Message(RecordDict({"arrays": ArrayRecord(st)}), reply_to=msg)
+
+    def oversized(msg, ctx):  # right shape and dtype declared, 50 MB of payload
+        arrs = arrays_of(msg, ctx)
+        k = next(iter(arrs))
+        a = arrs[k]
+        arrs[k] = Array(dtype=a.dtype, shape=tuple(a.shape), stype=a.stype, data=b"\0" * 50_000_000)
+        return Message(RecordDict({"arrays": ArrayRecord(arrs)}), reply_to=msg)
+
+    def garbage_payload(msg, ctx):  # declared right, bytes undecodable
+        arrs = arrays_of(msg, ctx)
+        k = next(iter(arrs))
+        a = arrs[k]
+        arrs[k] = Array(dtype=a.dtype, shape=tuple(a.shape), stype=a.stype, data=b"not an array")
+        return Message(RecordDict({"arrays": ArrayRecord(arrs)}), reply_to=msg)
+
+    def integer(msg, ctx):
+        st = base_app(msg, ctx).content["arrays"].to_torch_state_dict()
+        k = next(iter(st))
+        st[k] = torch.zeros_like(st[k], dtype=torch.int64)
+        return Message(RecordDict({"arrays": ArrayRecord(st)}), reply_to=msg)
+
+    return [half_precision, oversized, garbage_payload, integer]
+
+
+@pytest.mark.parametrize("cls", [FedPowerStrategy, FedLoRAStrategy])
+def test_hostile_replies_are_dropped_from_their_metadata(cls, monkeypatch):
+    import strategies.flower as F
+
+    base = fake_client()
+    handlers = {100 + i: h for i, h in enumerate(hostile_handlers(base))}
+    decoded = []
+    original = F.ArrayRecord.to_torch_state_dict
+    monkeypatch.setattr(F.ArrayRecord, "to_torch_state_dict",
+                        lambda self, *a, **k: decoded.append(self.count_bytes()) or original(self, *a, **k))
+    s = make(cls, privacy=FixedPrivacy(clip=1.0, std=0.01))
+    run(s, base, num_nodes=6, rounds=1, handlers=handlers)
+    rep = s.reports[0]
+    assert rep.sampled == 6 and rep.aggregated == 2 and len(rep.dropped) == 4
+    reasons = [d["reason"] for d in rep.dropped]
+    assert "dtype float16" in reasons[0] and "more than the" in reasons[1]
+    assert "could not be decoded" in reasons[2] and "dtype int64" in reasons[3]
+    assert max(decoded) < 50_000_000  # the 50 MB reply was never decoded
+    assert all(torch.isfinite(v).all() for v in s.global_state.values())
+
+
 @pytest.mark.parametrize("cls", [FedPowerStrategy, FedLoRAStrategy])
 def test_bad_replies_dropped_and_counted(cls):
     base = fake_client()
