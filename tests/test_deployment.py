@@ -72,3 +72,110 @@ def test_superlink_and_two_supernodes(tmp_path):
                 p.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 p.kill()
+
+
+def _start_superlink(env, port, *, creds=None, log=None):
+    cmd = [str(BIN / "flower-superlink"), "--host", "127.0.0.1", "--port", str(port), "--database", ":flwr-in-memory:",
+           "--disable-runtime-dependency-installation"]
+    cmd += ["--insecure"] if creds is None else [
+        "--ssl-ca-certfile", str(creds / "ca.crt"), "--ssl-certfile", str(creds / "server.pem"),
+        "--ssl-keyfile", str(creds / "server.key"), "--enable-supernode-auth"]
+    return subprocess.Popen(cmd, env=env, stdout=log or subprocess.DEVNULL, stderr=subprocess.STDOUT)
+
+
+def _wait_healthy(port, cafile=None, timeout=60):
+    import ssl
+
+    deadline = time.time() + timeout
+    url = f"{'https' if cafile else 'http'}://127.0.0.1:{port}/health"
+    ctx = ssl.create_default_context(cafile=str(cafile)) if cafile else None
+    while True:
+        try:
+            urllib.request.urlopen(url, timeout=2, context=ctx)
+            return
+        except OSError:
+            assert time.time() < deadline, "SuperLink did not start"
+            time.sleep(0.5)
+
+
+def test_tls_and_supernode_authentication(tmp_path):
+    """TLS with a CA generated here (fedpower-credentials) and SuperNode authentication: two
+    registered SuperNodes complete a run; a SuperNode whose key is not registered, a SuperNode
+    without the CA certificate and a `flwr` client without it are refused. No key leaves tmp_path."""
+    from fedpower_app.credentials import make_credentials
+
+    creds = tmp_path / "creds"
+    make_credentials(creds, hosts=["localhost", "127.0.0.1"], supernodes=["silo0", "silo1", "rogue"])
+    assert oct((creds / "keys" / "silo0").stat().st_mode & 0o777) == "0o600"
+    home = tmp_path / "flwr-home"
+    home.mkdir()
+    port = free_port()
+    (home / "config.toml").write_text(
+        f'[superlink]\ndefault = "secure"\n\n[superlink.secure]\naddress = "127.0.0.1:{port}"\n'
+        f'root-certificates = "{creds / "ca.crt"}"\n\n'
+        f'[superlink.noca]\naddress = "127.0.0.1:{port}"\n')  # TLS, but only the system's CAs
+    env = flwr_env(home)
+    logs = {name: open(tmp_path / f"{name}.log", "w") for name in ("superlink", "silo0", "silo1", "rogue", "noca")}
+    procs = {}
+    try:
+        procs["superlink"] = _start_superlink(env, port, creds=creds, log=logs["superlink"])
+        _wait_healthy(port, cafile=creds / "ca.crt")
+        with pytest.raises(OSError):  # plain HTTP is not served
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5)
+        for name in ("silo0", "silo1"):
+            reg = subprocess.run([str(BIN / "flwr"), "supernode", "register", str(creds / "keys" / f"{name}.pub"), "secure"],
+                                 env=env, capture_output=True, text=True, timeout=120)
+            assert reg.returncode == 0 and "registered successfully" in reg.stdout, reg.stdout + reg.stderr
+
+        def supernode(name, key, i, *, ca=True):
+            cmd = [str(BIN / "flower-supernode"), "--superlink", f"127.0.0.1:{port}", "--port", str(free_port()),
+                   "--auth-supernode-private-key", str(creds / "keys" / key),
+                   "--node-config", f"partition-id={i} num-partitions=2", "--max-retries", "3", "--max-wait-time", "30"]
+            if ca:
+                cmd += ["--root-certificates", str(creds / "ca.crt")]
+            return subprocess.Popen(cmd, env=env, stdout=logs[name], stderr=subprocess.STDOUT)
+
+        for i, name in enumerate(("silo0", "silo1")):
+            procs[name] = supernode(name, name, i)
+        procs["rogue"] = supernode("rogue", "rogue", 1)            # key not registered
+        procs["noca"] = supernode("noca", "silo1", 1, ca=False)    # registered key, but no CA certificate
+        # The refused SuperNodes give up (exit code 305) instead of joining.
+        for name in ("rogue", "noca"):
+            assert procs[name].wait(timeout=180) != 0
+        rogue_log = (tmp_path / "rogue.log").read_text()
+        noca_log = (tmp_path / "noca.log").read_text()
+        assert "Failed to activate SuperNode" in rogue_log
+        assert "CERTIFICATE_VERIFY_FAILED" in noca_log
+
+        noca = subprocess.run([str(BIN / "flwr"), "ls", "noca", "--format", "json"], env=env, capture_output=True,
+                              text=True, timeout=120)
+        # `flwr ls --format json` exits 0 even when it fails; the JSON says so
+        assert json.loads(noca.stdout)["success"] is False and "unavailable" in noca.stdout
+
+        out = tmp_path / "outputs"
+        overrides = run_config_arg({**load_preset(PROJECT_ROOT / "conf" / "tiny.toml"), "output-dir": str(out),
+                                    "run-name": "secure", "num-server-rounds": 1, "strategy.client-rate": 1.0,
+                                    "strategy.min-nodes": 2})
+        run = subprocess.run([str(BIN / "flwr"), "run", str(PROJECT_ROOT), "secure", "--stream", "--run-config", overrides],
+                             env=env, capture_output=True, text=True, timeout=900)
+        ls = subprocess.run([str(BIN / "flwr"), "ls", "secure", "--format", "json"], env=env, capture_output=True,
+                            text=True, timeout=60)
+        runs = json.loads(ls.stdout)["runs"]
+        assert runs and runs[0]["status"] == "finished:completed", run.stdout[-3000:] + run.stderr[-2000:]
+        results = json.loads((out / "secure" / "results.json").read_text())
+        assert results["status"] == "completed" and results["clients"]["count"] == 2  # only the registered ones
+        nodes = subprocess.run([str(BIN / "flwr"), "supernode", "ls", "secure", "--format", "json"], env=env,
+                               capture_output=True, text=True, timeout=60)
+        listed = json.loads(nodes.stdout)["nodes"]
+        assert len(listed) == 2, nodes.stdout  # the two registered keys, never the rogue one
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.terminate()
+        for p in procs.values():
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        for fh in logs.values():
+            fh.close()
