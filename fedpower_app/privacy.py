@@ -211,6 +211,14 @@ class SiloDPSGD:
         for node, s in zip(self.silos, saved):
             self.ledgers[node] = SiloLedger.from_state_dict(s["ledger"])
 
+    def rebind(self, old_node: int, new_node: int) -> None:
+        """Silo ``old_node`` reconnected as ``new_node``: its ledger, size and rate move with it."""
+        i = self.silos.index(old_node)
+        self.silos[i] = new_node
+        self.ledgers[new_node] = self.ledgers.pop(old_node)
+        self.sizes[new_node] = self.sizes.pop(old_node)
+        self.rates[new_node] = self.rates.pop(old_node)
+
     def charge_lost_release(self, silos: list[int]) -> None:
         """The silos of a round lost in flight released noised updates nobody can reproduce."""
         for i in silos:

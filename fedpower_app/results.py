@@ -86,6 +86,7 @@ class ResultsWriter:
             "bytes_down": sum(r.get("bytes_down", 0) for r in rounds),
             "server_aggregation_seconds": sum(r.get("aggregation_seconds", 0.0) for r in rounds),
             "dropped_replies": sum(len(r.get("dropped", [])) for r in rounds),
+            "missing_replies": sum(len(r.get("missing", [])) for r in rounds),
             "final_accuracy": evals[-1]["accuracy"] if evals else None,
             "best_accuracy": max((r["accuracy"] for r in evals), default=None),
             "final_epsilon": rounds[-1].get("epsilon") if rounds else None,

@@ -38,7 +38,7 @@ def run_directory(cfg: RunConfig) -> Path:
     return Path(cfg["output-dir"]).expanduser() / name
 
 
-def discover_clients(grid: Grid, cfg: RunConfig) -> dict[int, int]:
+def discover_clients(grid: Grid, cfg: RunConfig) -> tuple[dict[int, int], dict[int, int]]:
     """Wait for ``strategy.min-nodes`` SuperNodes, then ask each for its training-shard size.
     Returns {node: size} in population order (``population_order``)."""
     deadline = time.time() + cfg["strategy.round-timeout"]
@@ -48,22 +48,71 @@ def discover_clients(grid: Grid, cfg: RunConfig) -> dict[int, int]:
                                f"strategy.min-nodes = {cfg['strategy.min-nodes']}")
         log.info("waiting for SuperNodes: %d connected, %d required", len(nodes), cfg["strategy.min-nodes"])
         time.sleep(2.0)
+    sizes, partitions = query_sizes(grid, nodes, cfg["strategy.round-timeout"])
+    if not sizes:
+        raise RuntimeError("no SuperNode answered the size query; check the ClientApp logs")
+    return {node: sizes[node] for node in population_order(sizes, partitions)}, partitions
+
+
+def query_sizes(grid: Grid, nodes, timeout: float) -> tuple[dict[int, int], dict[int, int]]:
+    """Ask nodes for their training-shard size (and partition id, if they have one)."""
     content = RecordDict({"config": ConfigRecord({"query": "dataset-size"})})
     msgs = [Message(content=content, dst_node_id=n, message_type=MessageType.QUERY) for n in nodes]
     sizes: dict[int, int] = {}
     partitions: dict[int, int] = {}
-    for reply in exchange(grid, msgs, cfg["strategy.round-timeout"]):
+    for reply in exchange(grid, msgs, timeout):
         node = reply.metadata.src_node_id
         if reply.has_error():
             log.warning("node %s failed the size query and is left out: %s", node, reply.error.reason)
             continue
-        metrics = reply.content.metric_records["metrics"]
-        sizes[node] = int(metrics["num-examples"])
-        if "partition-id" in metrics:
-            partitions[node] = int(metrics["partition-id"])
-    if not sizes:
-        raise RuntimeError("no SuperNode answered the size query; check the ClientApp logs")
-    return {node: sizes[node] for node in population_order(sizes, partitions)}
+        try:
+            metrics = reply.content.metric_records["metrics"]
+            sizes[node] = int(metrics["num-examples"])
+            if "partition-id" in metrics:
+                partitions[node] = int(metrics["partition-id"])
+        except (KeyError, TypeError, ValueError) as exc:
+            log.warning("node %s sent a malformed size reply and is left out: %s", node, exc)
+    return sizes, partitions
+
+
+class Roster:
+    """Which node is which silo. The population (silo i = the i-th by partition id) is fixed at
+    start; a silo whose SuperNode restarts comes back under a new node id (unless SuperNode
+    authentication keeps its id), so before every round new nodes are asked for their partition id
+    and shard size, and a node that matches a silo whose old node is gone takes its place, with
+    its ledger. A node that matches no silo, or reports another shard size, is not admitted."""
+
+    def __init__(self, grid: Grid, cfg: RunConfig, sizes: dict[int, int], partitions: dict[int, int]) -> None:
+        self.grid, self.cfg = grid, cfg
+        self.sizes = [int(n) for n in sizes.values()]
+        self.partition_of_silo = [partitions.get(node) for node in sizes]
+        self.ignored: set[int] = set()
+
+    def refresh(self, server_round: int, strategy, privacy) -> list[dict]:
+        current = set(self.grid.get_node_ids())
+        new = sorted(current - set(strategy.population) - self.ignored)
+        if not new:
+            return []
+        sizes, partitions = query_sizes(self.grid, new, min(60.0, self.cfg["strategy.round-timeout"]))
+        events = []
+        for node in new:
+            pid, n = partitions.get(node), sizes.get(node)
+            silo = self.partition_of_silo.index(pid) if pid is not None and pid in self.partition_of_silo else None
+            old = strategy.population[silo] if silo is not None else None
+            if silo is None or n != self.sizes[silo] or old in current:
+                why = ("no silo with its partition id" if silo is None else
+                       f"shard size {n} != {self.sizes[silo]}" if n != self.sizes[silo] else
+                       f"silo {silo} is still connected as node {old}")
+                log.warning("round %d: node %s is not admitted to the population: %s", server_round, node, why)
+                self.ignored.add(node)
+                events.append({"round": server_round, "node": int(node), "admitted": False, "reason": why})
+                continue
+            strategy.population[silo] = node
+            privacy.rebind(old, node)
+            log.info("round %d: silo %d rejoined as node %s (was %s)", server_round, silo, node, old)
+            events.append({"round": server_round, "node": int(node), "silo": silo, "admitted": True,
+                           "replaces": int(old)})
+        return events
 
 
 def population_order(nodes, partitions: dict[int, int]) -> list[int]:
@@ -127,8 +176,9 @@ def progress_line(report: RoundReport, metrics: MetricRecord | None, num_rounds:
     else:
         eps = f"eps {report.epsilon:.3f}" + (f"/{epsilon_target:g}" if epsilon_target else "")
     over = f" ({report.over_budget} more at their budget)" if report.over_budget else ""
+    missing = f", {len(report.missing)} no reply" if report.missing else ""
     return (f"[round {report.server_round}/{num_rounds} {label or report.round_type}] {acc} | {eps} | clients "
-            f"{report.sampled} sampled{over}, {report.aggregated} aggregated, {len(report.dropped)} dropped | "
+            f"{report.sampled} sampled{over}, {report.aggregated} aggregated, {len(report.dropped)} dropped{missing} | "
             f"up {_mb(report.bytes_up)} down {_mb(report.bytes_down)} | server {report.aggregation_seconds:.2f} s "
             + (f"| round {round_seconds:.1f} s " if round_seconds is not None else "") + f"| elapsed {wall:.1f} s")
 
@@ -222,7 +272,8 @@ def _run(grid: Grid, cfg: RunConfig, run_dir: Path, results: ResultsWriter, chec
              task.name, len(task.train), ", ".join(f"{k} {len(v)}" for k, v in splits.items()),
              cfg["model.name"], len(modules), cfg["lora.rank"], f", trainable head ({len(extras)} tensors)" if extras else "")
 
-    sizes = discover_clients(grid, cfg)
+    sizes, partitions = discover_clients(grid, cfg)
+    roster = Roster(grid, cfg, sizes, partitions)
     results.set("clients", {"count": len(sizes), "dataset_sizes": sorted(sizes.values())})
     log.info("%d clients, shard sizes %s", len(sizes), sorted(sizes.values()))
 
@@ -278,8 +329,14 @@ def _run(grid: Grid, cfg: RunConfig, run_dir: Path, results: ResultsWriter, chec
             "stopped_reason": strategy.stopped_reason})
 
     def on_round_start(server_round: int, nodes: list[int]) -> None:
-        order = {node: i for i, node in enumerate(sizes)}
+        order = {node: i for i, node in enumerate(strategy.population)}
         CK.write_inflight(run_dir, server_round, [order[n] for n in nodes if n in order])
+
+    def before_round(server_round: int) -> None:
+        events = roster.refresh(server_round, strategy, privacy)
+        if events:
+            results.data.setdefault("roster_events", []).extend(events)
+            results.flush()
 
     if first_round == 1:
         initial = evaluate_fn(0, ArrayRecord(initial_state))
@@ -296,6 +353,7 @@ def _run(grid: Grid, cfg: RunConfig, run_dir: Path, results: ResultsWriter, chec
         on_round=on_round,
         first_round=first_round,
         on_round_start=on_round_start,
+        before_round=before_round,
     )
 
     final_state = result.arrays.to_torch_state_dict() if len(result.arrays) else arrays

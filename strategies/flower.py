@@ -63,6 +63,7 @@ class RoundReport:
     noise_stds: list[float] = field(default_factory=list)
     released: bool = True
     over_budget: int = 0  # sampled silos not sent the round: their ledger would cross the budget
+    missing: list[int] = field(default_factory=list)  # silos sent the round whose reply never came (timeout, crash)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -271,6 +272,12 @@ class LoRAStrategy(Strategy):
             if metrics is not None and "train-loss" in metrics:
                 losses.append(float(metrics["train-loss"]))
         report.aggregated = len(updates)
+        answered = {msg.metadata.src_node_id for msg in replies}
+        report.missing = [int(n) for n in self._sampled if n not in answered]
+        if report.missing:
+            log.warning("round %d: no reply from %d silo(s) %s within the round timeout; the round goes on without "
+                        "them (under DP-SGD their ledgers still count the round: it was sent)", server_round,
+                        len(report.missing), report.missing)
         report.train_loss = sum(losses) / len(losses) if losses else None
 
         if not updates and self.privacy.noise_at != "server":
@@ -351,6 +358,7 @@ class LoRAStrategy(Strategy):
         on_round: Callable[[RoundReport, MetricRecord | None], None] | None = None,
         first_round: int = 1,
         on_round_start: Callable[[int, list[int]], None] | None = None,
+        before_round: Callable[[int], None] | None = None,
     ) -> Result:
         """Flower's round loop plus a budget check before every release and a per-round callback.
 
@@ -370,6 +378,8 @@ class LoRAStrategy(Strategy):
             if res is not None:
                 result.evaluate_metrics_serverapp[first_round - 1] = res
         for server_round in range(first_round, num_rounds + 1):
+            if before_round is not None and server_round > 1:
+                before_round(server_round)  # e.g. a silo whose SuperNode restarted rejoins
             try:
                 self.privacy.check(self.round_type(server_round), server_round)
             except BudgetExhausted as exc:

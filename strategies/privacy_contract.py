@@ -14,6 +14,7 @@ A strategy asks its ``PrivacyHook``, round by round:
 * ``epsilon()``: ε spent so far (the maximum over silos for DP-SGD), or None when non-private.
 * ``state_dict()`` / ``load_state_dict(state)``: every ledger, for checkpoints; loading refuses a
   state from another plan or population.
+* ``rebind(old_node, new_node)``: a silo came back under a new node id; its ledger follows it.
 * ``charge_lost_release(silos)``: a round that was in flight when the server died, and whose noise
   cannot be reproduced, released something: charge it to those silos (population indices).
 
@@ -43,6 +44,7 @@ class PrivacyHook(Protocol):
     def state_dict(self) -> dict: ...
     def load_state_dict(self, state: dict) -> None: ...
     def charge_lost_release(self, silos: list[int]) -> None: ...
+    def rebind(self, old_node: int, new_node: int) -> None: ...
     @property
     def clip(self) -> float | None: ...
     @property
@@ -59,6 +61,10 @@ class ServerSideDefaults:
         return {}
 
     def record_sent(self, nodes: list[int], server_round: int) -> None:
+        return None
+
+    def rebind(self, old_node: int, new_node: int) -> None:
+        # The server-side ledgers are indexed by silo position, not node id.
         return None
 
     def charge_lost_release(self, silos: list[int]) -> None:
