@@ -71,6 +71,19 @@ def select_train_rows(task: TaskData, path: str) -> TaskData:
     return dataclasses.replace(task, train=train)
 
 
+def shard_size_problem(num_examples: int, num_silos: int, batch_size: int, sizes: list[int] | None = None) -> str | None:
+    """Why these silos cannot train with this batch size, or None. A shard smaller than the batch
+    cannot give the configured batch (and DP-SGD's sampling rate b/n would exceed 1)."""
+    sizes = sizes if sizes is not None else [num_examples // num_silos + (i < num_examples % num_silos)
+                                             for i in range(num_silos)]
+    small = [n for n in sizes if n < batch_size]
+    if not small:
+        return None
+    return (f"{len(small)} silo(s) hold fewer training examples ({min(small)}) than config key 'train.batch-size' = "
+            f"{batch_size} ({num_examples} examples over {len(sizes)} silos): lower train.batch-size, use fewer "
+            f"silos or more data")
+
+
 def partition_indices(num_examples: int, num_partitions: int, partition_id: int, seed: int) -> list[int]:
     """IID shard of a split: sizes differ by at most one and sum to the split."""
     from .glue import iid_partition_indices

@@ -965,7 +965,32 @@ def check_launch(overrides: dict[str, Any], *, app_dir: str | Path = PROJECT_ROO
     if home == app or app in home.parents:
         raise ConfigError(f"the Flower home {home} is inside the app directory {app}: `flwr run` would package the "
                           "installed apps into the FAB; use --flwr-home outside it")
+    check_data(cfg, num_supernodes)
     return cfg
+
+
+def check_data(cfg: RunConfig, num_supernodes: int) -> None:
+    """Read the task's data as the silos will (local files, or the generated task) and check that
+    every silo's shard can hold a batch; raises ConfigError naming the file, line or sizes. GLUE
+    from the hub is left to the run (no download before it starts)."""
+    from .data import load_task, shard_size_problem
+
+    if cfg["task.train-rows"]:
+        n = None  # the listed rows decide; read them
+    elif cfg["task.name"] == "synthetic":
+        n = cfg["task.synthetic-train-size"]  # known without generating it
+    elif not cfg["task.data-dir"].strip():
+        return
+    else:
+        n = None
+    if n is None:
+        try:
+            n = len(load_task(cfg).train)
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"task data: {exc}") from None
+    problem = shard_size_problem(n, num_supernodes, cfg["train.batch-size"])
+    if problem:
+        raise ConfigError(problem)
 
 
 def _become_subreaper() -> bool:

@@ -273,6 +273,9 @@ def _run(grid: Grid, cfg: RunConfig, run_dir: Path, results: ResultsWriter, chec
              cfg["model.name"], len(modules), cfg["lora.rank"], f", trainable head ({len(extras)} tensors)" if extras else "")
 
     sizes, partitions = discover_clients(grid, cfg)
+    problem = D.shard_size_problem(sum(sizes.values()), len(sizes), cfg["train.batch-size"], list(sizes.values()))
+    if problem:
+        raise ValueError(problem)  # before any round: the run fails with this reason in results.json
     roster = Roster(grid, cfg, sizes, partitions)
     results.set("clients", {"count": len(sizes), "dataset_sizes": sorted(sizes.values())})
     log.info("%d clients, shard sizes %s", len(sizes), sorted(sizes.values()))
