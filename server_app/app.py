@@ -104,7 +104,8 @@ class Roster:
                        f"shard size {n} != {self.sizes[silo]}" if n != self.sizes[silo] else
                        f"silo {silo} is still connected as node {old}")
                 log.warning("round %d: node %s is not admitted to the population: %s", server_round, node, why)
-                self.ignored.add(node)
+                if silo is None or n != self.sizes[silo]:
+                    self.ignored.add(node)  # never a silo; a node waiting for its old id to go is asked again
                 events.append({"round": server_round, "node": int(node), "admitted": False, "reason": why})
                 continue
             strategy.population[silo] = node

@@ -5,6 +5,7 @@ recipe; completion is asserted through `flwr ls --format json`.
 """
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -179,3 +180,73 @@ def test_tls_and_supernode_authentication(tmp_path):
                 p.kill()
         for fh in logs.values():
             fh.close()
+
+
+def test_a_killed_supernode_is_waited_for_only_until_the_timeout_and_rejoins(tmp_path):
+    """A real deployment (insecure, 2 SuperNodes, 5 rounds): SuperNode 1 is SIGKILLed while round 2
+    is in flight; round 2 completes with one reply after the round timeout and the dropout is
+    counted; the SuperNode is started again (a new node id) and its silo rejoins a later round."""
+    import signal
+
+    home = tmp_path / "flwr-home"
+    home.mkdir()
+    port = free_port()
+    (home / "config.toml").write_text(
+        f'[superlink]\ndefault = "deploy"\n\n[superlink.deploy]\naddress = "127.0.0.1:{port}"\ninsecure = true\n')
+    env = flwr_env(home)
+    procs = []
+
+    def supernode(i):
+        return subprocess.Popen([str(BIN / "flower-supernode"), "--insecure", "--superlink", f"127.0.0.1:{port}",
+                                 "--port", str(free_port()), "--node-config", f"partition-id={i} num-partitions=2",
+                                 "--max-retries", "5"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                start_new_session=True)
+    try:
+        procs.append(_start_superlink(env, port))
+        _wait_healthy(port)
+        nodes = [supernode(0), supernode(1)]
+        procs += nodes
+        out = tmp_path / "outputs"
+        overrides = run_config_arg({**load_preset(PROJECT_ROOT / "conf" / "tiny.toml"), "output-dir": str(out),
+                                    "run-name": "faults", "num-server-rounds": 5, "strategy.client-rate": 1.0,
+                                    "strategy.min-nodes": 2, "strategy.round-timeout": 30.0,
+                                    "dp.noise-at": "silo"})
+        run = subprocess.Popen([str(BIN / "flwr"), "run", str(PROJECT_ROOT), "deploy", "--stream", "--run-config", overrides],
+                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        procs.append(run)
+        results = out / "faults" / "results.json"
+        deadline = time.time() + 600
+        while True:  # wait for round 1 to finish, then kill silo 1 while round 2 runs
+            try:
+                if len(json.loads(results.read_text())["rounds"]) >= 1:
+                    break
+            except (OSError, ValueError, KeyError):
+                pass
+            assert time.time() < deadline and run.poll() is None, "round 1 never finished"
+            time.sleep(0.2)
+        os.killpg(nodes[1].pid, signal.SIGKILL)  # the SuperNode and everything it started
+        time.sleep(3)
+        procs.append(supernode(1))  # the same silo comes back (a new node id)
+        output, _ = run.communicate(timeout=900)
+        data = json.loads(results.read_text())
+        rows = data["rounds"]
+        assert data["status"] == "completed", output[-3000:]
+        assert [r["server_round"] for r in rows] == [1, 2, 3, 4, 5]
+        assert rows[1]["aggregated"] == 1 and len(rows[1]["missing"]) == 1  # waited, then went on
+        assert rows[1]["wall_seconds"] - rows[0]["wall_seconds"] < 30 + 60  # the timeout, not forever
+        admitted = [e for e in data.get("roster_events", []) if e["admitted"]]
+        assert admitted and admitted[0]["silo"] == 1, data.get("roster_events")
+        assert rows[-1]["aggregated"] == 2  # the restarted silo trains again
+        assert data["totals"]["missing_replies"] >= 1
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                try:  # SuperNodes run in their own session: stop them with what they started
+                    os.killpg(p.pid, signal.SIGTERM) if os.getpgid(p.pid) == p.pid else p.terminate()
+                except (ProcessLookupError, PermissionError):
+                    p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.kill()

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# A Debian base image without Docker Hub: debootstrap a minimal bookworm with python3 and its venv
+# module, then `docker import` it. Needs root, debootstrap and a Debian mirror.
+#   docker/make-base-image.sh [IMAGE_TAG] [MIRROR]      (default fedpower-base:bookworm)
+set -euo pipefail
+TAG=${1:-fedpower-base:bookworm}
+MIRROR=${2:-http://deb.debian.org/debian}
+ROOTFS=$(mktemp -d /tmp/fedpower-rootfs.XXXXXX)
+trap 'rm -rf "$ROOTFS"' EXIT
+echo "make-base-image: debootstrap bookworm -> $ROOTFS"
+debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates bookworm "$ROOTFS" "$MIRROR" >/dev/null
+rm -rf "$ROOTFS"/var/cache/apt/archives/*.deb "$ROOTFS"/var/lib/apt/lists/*
+tar -C "$ROOTFS" -c . | docker import - "$TAG" >/dev/null
+echo "make-base-image: $TAG ($(docker image inspect -f '{{.Size}}' "$TAG") bytes)"
