@@ -174,3 +174,23 @@ def test_hardened_inflight_round_is_charged_as_a_lost_release(tmp_path):
     assert [s["entries"][0][3] for s in res["privacy_final"]["ledgers"].values()] == [3, 3]
     assert [r["server_round"] for r in res["rounds"]] == [1, 2] and res["status"] == "stopped-budget"
     assert res["privacy_final"]["epsilon_spent"] <= 50.0 * (1 + 1e-9)
+
+
+def test_fedpower_run_resume_reads_the_run_and_refuses_a_bad_checkpoint(tmp_path, capsys):
+    from fedpower_app import launcher as L
+
+    run_dir = tmp_path / "outputs" / "myrun"
+    cfg = parse_config({**TINY, "output-dir": str(run_dir.parent), "run-name": "myrun"}).to_dict()
+    run_dir.mkdir(parents=True)
+    (run_dir / "results.json").write_text(json.dumps({"config": cfg}))
+    got = L.resume_overrides(run_dir)
+    assert got["resume"] is True and got["run-name"] == "myrun" and got["output-dir"] == str(run_dir.parent)
+    assert got["lora.rank"] == cfg["lora.rank"]
+    _, p = payload(cfg={"output-dir": str(run_dir.parent), "run-name": "myrun"})
+    path = CK.save_checkpoint(run_dir, p)
+    path.write_bytes(path.read_bytes()[:100])  # truncated: refused before anything starts
+    rc = L.main(["--resume", str(run_dir), "--flwr-home", str(tmp_path / "home")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "truncated or damaged" in err and not (tmp_path / "home").exists()
+    rc = L.main(["--resume", str(tmp_path / "nope"), "--flwr-home", str(tmp_path / "home")])
+    assert rc == 2 and "no readable results.json" in capsys.readouterr().err
