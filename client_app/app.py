@@ -17,8 +17,10 @@ rounds). Any exception becomes an error reply, which the server drops and logs.
 from __future__ import annotations
 
 import json
+import os
 import time
 from functools import lru_cache
+from pathlib import Path
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
@@ -114,14 +116,55 @@ def silo_policy(cfg: RunConfig, node_config) -> tuple[bool, float, float]:
     return required, cfg["dp.epsilon"], cfg["dp.delta"]
 
 
-def _load_ledger(context: Context, delta: float, accountant: str) -> SiloLedger:
-    record = context.state.config_records.get(LEDGER_KEY)
-    if record is None:
-        return SiloLedger(delta, accountant)
-    ledger = SiloLedger.from_state_dict(json.loads(str(record["state"])))
+def _ledger_file(context: Context) -> Path | None:
+    """Node config ``ledger-file``: the silo keeps its ledger on its own disk, across runs and server
+    restarts (Context.state lives only as long as one run)."""
+    raw = str(context.node_config.get("ledger-file", "")).strip()
+    return Path(raw).expanduser() if raw else None
+
+
+def _load_ledger(context: Context, delta: float, accountant: str) -> tuple[SiloLedger, list]:
+    """The silo's ledger and the (run, round) releases it already paid for (seeded runs)."""
+    path = _ledger_file(context)
+    if path is not None and path.exists():
+        try:
+            saved = json.loads(path.read_text())
+            ledger, paid = SiloLedger.from_state_dict(saved["ledger"]), list(saved.get("paid", []))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise SiloRefusal(f"refused: this silo's ledger file {path} cannot be read ({exc})") from None
+    else:
+        record = context.state.config_records.get(LEDGER_KEY)
+        if record is None:
+            return SiloLedger(delta, accountant), []
+        saved = json.loads(str(record["state"]))
+        ledger, paid = SiloLedger.from_state_dict(saved["ledger"]), list(saved.get("paid", []))
     if ledger.delta != delta:
         raise SiloRefusal(f"refused: this silo's ledger is kept at delta {ledger.delta:g}, not {delta:g}")
-    return ledger
+    return ledger, paid
+
+
+def _save_ledger(context: Context, ledger: SiloLedger, paid: list) -> None:
+    state = json.dumps({"ledger": ledger.state_dict(), "paid": paid})
+    context.state[LEDGER_KEY] = ConfigRecord({"state": state})
+    path = _ledger_file(context)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+        with open(tmp, "w") as fh:
+            fh.write(state)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+
+
+def _release_key(cfg: RunConfig, server_round: int) -> str | None:
+    """A seeded round's identity: the same run configuration and round give the same draws, hence
+    the same release (a resumed run re-running a round the silo already paid for). Hardened: None."""
+    if cfg["dp.noise"] != "seeded":
+        return None
+    from fedpower_app.checkpoint import config_fingerprint
+
+    return f"{config_fingerprint(cfg.to_dict())[:32]}:{server_round}"
 
 
 def _sends_metrics(context: Context) -> bool:
@@ -151,8 +194,11 @@ def train(msg: Message, context: Context) -> Message:
     ledger = None
     if params is not None or requires_dp:
         # The silo's own check, before its data is touched: it trusts only its own ledger.
-        ledger = _load_ledger(context, delta, cfg["dp.accountant"])
-        sample_rate = silo_admits(ledger, params, len(shard), max_epsilon=max_epsilon)
+        ledger, paid = _load_ledger(context, delta, cfg["dp.accountant"])
+        key = _release_key(cfg, server_round)
+        already_paid = key is not None and key in paid
+        sample_rate = (min(1.0, params.batch_size / len(shard)) if already_paid and params is not None else
+                       silo_admits(ledger, params, len(shard), max_epsilon=max_epsilon))
     M.load_adapter_state(model, msg.content["arrays"].to_torch_state_dict())
     M.set_trainable(model, train_a="A" in train_lora, train_b=True)
     noise = NoiseSource(cfg["seed"], cfg["dp.noise"])
@@ -164,8 +210,11 @@ def train(msg: Message, context: Context) -> Message:
         stats = dp_sgd_train_local(model, shard, params=params, lr=lr,
                                    sampling_generator=streams.sampling, noise_generator=streams.dp_noise,
                                    secure_noise=noise.hardened, device=device, dropout_seed=streams.dropout_seed)
-        ledger.record(sample_rate, params.noise_multiplier, params.local_steps)
-        context.state[LEDGER_KEY] = ConfigRecord({"state": json.dumps(ledger.state_dict())})
+        if not already_paid:  # a seeded round re-run after a server restart is the same release
+            ledger.record(sample_rate, params.noise_multiplier, params.local_steps)
+            if key is not None:
+                paid.append(key)
+        _save_ledger(context, ledger, paid)
     else:
         stats = train_local(
             model, shard, steps=cfg["train.local-steps"], batch_size=cfg["train.batch-size"], lr=lr,

@@ -27,6 +27,7 @@ from .powerdp import (
     output_perturbation,
     power_iteration,
     powerdp,
+    powerdp_l,
 )
 from .releases import (
     Release,
@@ -42,6 +43,6 @@ __all__ = [
     "AdapterUpdate", "ModuleGroup", "NoiseSource", "Release", "ReleaseContext",
     "clip_scales", "dense_clipped_average", "group_modules", "merged_sq_norms", "product_sq_norms",
     "weighted_factor_stack", "input_perturbation", "orthonormalize_columns", "orthonormalize_rows",
-    "output_perturbation", "power_iteration", "powerdp", "fedlora_release", "fedpower_release",
+    "output_perturbation", "power_iteration", "powerdp", "powerdp_l", "fedlora_release", "fedpower_release",
     "ffa_release", "input_perturbation_release", "output_perturbation_release",
 ]

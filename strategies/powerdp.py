@@ -286,6 +286,54 @@ def powerdp(
     return B_tilde, orthonormalize_rows(A_noisy)
 
 
+def powerdp_l(
+    W: torch.Tensor | None = None,
+    *,
+    factors: tuple[torch.Tensor, torch.Tensor] | None = None,
+    a_prev: torch.Tensor,
+    iters: int = 1,
+    noise_std: float,
+    generator: torch.Generator,
+    sampler: GaussianSampler | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PowerDP-L (privacy spec §3.2): a noisy power method warm-started from the previous round's
+    public A (``a_prev`` (M, r, n), rows orthonormalised here), noise inside every iteration::
+
+        Q <- orth_rows(a_prev)
+        repeat iters times:
+            Y <- W Q^T + N(0, s^2)        (M, m, r)   Lipschitz: ||(W - W') Q^T|| <= ||W - W'||_F
+            P <- orth_cols(Y)
+            X <- P^T W + N(0, s^2)        (M, r, n)   Lipschitz given the released Y
+            Q <- orth_rows(X)
+        A <- Q;  B <- P (X A^T)           so B A = P X A^T A, the noisy rank-r approximation
+
+    Every release is a Gaussian mechanism on a 1-Lipschitz function of W, so 2*iters adaptive
+    releases with sensitivity Delta_W give the effective multiplier z = s / (sqrt(2 iters) Delta_W)
+    (fedpower_app.accounting.plan). With ``noise_std == 0`` it is the warm-started power iteration.
+    Factored input (W = Bs @ As) is never formed: O(M (m + n) R r) per iteration.
+    """
+    op = _operator(W, factors)
+    m, n = op.shape[-2], op.shape[-1]
+    rank = a_prev.shape[-2]
+    _check(op.shape, rank, iters)
+    if tuple(a_prev.shape[-1:]) != (n,) or a_prev.shape[:-2] != op.shape[:-2]:
+        raise ValueError(f"a_prev has shape {tuple(a_prev.shape)}, expected (..., {rank}, {n}) for W {tuple(op.shape)}")
+    dtype, device = _dtype_device(W, factors)
+    sample = sampler or _default_sampler
+    Q = orthonormalize_rows(a_prev.to(dtype=dtype, device=device))
+    P = X = None
+    for _ in range(iters):
+        # Y and X are the released (noisy) quantities; drawn in a fixed order: Y, then X, per iteration.
+        Y = _add_noise(op.right(Q.transpose(-1, -2)), sample((*op.shape[:-2], m, rank), noise_std, generator,
+                                                              dtype=dtype, device=device))
+        P = orthonormalize_columns(Y)
+        X = _add_noise(op.left(P.transpose(-1, -2)), sample((*op.shape[:-2], rank, n), noise_std, generator,
+                                                             dtype=dtype, device=device))
+        Q = orthonormalize_rows(X)
+    B = P @ (X @ Q.transpose(-1, -2))
+    return B, Q
+
+
 def input_perturbation(
     W: torch.Tensor | None = None,
     *,

@@ -109,12 +109,13 @@ def test_silo_ledgers_checkpoint_by_population_index():
 WORKER = str(Path(__file__).with_name("_resume_worker.py"))
 
 
-def run_worker(cfg: dict, fault: str | None = None) -> int:
+def run_worker(cfg: dict, fault: str | None = None, node_config: dict | None = None) -> int:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(PROJECT_ROOT)}
     env.pop("FEDPOWER_FAULT", None)
     if fault:
         env["FEDPOWER_FAULT"] = fault
-    proc = subprocess.run([sys.executable, WORKER, json.dumps(cfg)], env=env, cwd=PROJECT_ROOT,
+    args = [json.dumps(cfg), "2", json.dumps(node_config)] if node_config else [json.dumps(cfg)]
+    proc = subprocess.run([sys.executable, WORKER, *args], env=env, cwd=PROJECT_ROOT,
                           capture_output=True, text=True, timeout=900)
     if proc.returncode not in (0, -signal.SIGKILL):
         raise AssertionError(proc.stderr[-3000:])
@@ -194,3 +195,23 @@ def test_fedpower_run_resume_reads_the_run_and_refuses_a_bad_checkpoint(tmp_path
     assert rc == 2 and "truncated or damaged" in err and not (tmp_path / "home").exists()
     rc = L.main(["--resume", str(tmp_path / "nope"), "--flwr-home", str(tmp_path / "home")])
     assert rc == 2 and "no readable results.json" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_silo_ledger_file_survives_a_server_restart_and_a_seeded_rerun_is_not_paid_twice(tmp_path):
+    """Each silo keeps its ledger in node-config ``ledger-file`` with its budget ``dp-max-epsilon``
+    equal to the run's: the server dies while writing round 2's checkpoint (the silos had trained
+    and paid round 2); the resumed run re-runs round 2 with the same seeded draws (the same
+    release: not paid again) and round 3, which the silos admit within their own budget."""
+    cfg = {**TINY, "output-dir": str(tmp_path), "dp.noise-at": "silo"}
+    nodes = {str(i): {"ledger-file": str(tmp_path / f"silo{i}" / "ledger.json"), "dp-max-epsilon": 8.0}
+             for i in range(2)}
+    assert run_worker(cfg, "checkpoint-tmp-written:2", nodes) == -signal.SIGKILL
+    paid = json.loads((tmp_path / "silo0" / "ledger.json").read_text())
+    assert paid["ledger"]["entries"][0][3] == 2 and len(paid["paid"]) == 2
+    assert run_worker({**cfg, "resume": True}, None, nodes) == 0
+    res = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert res["status"] == "completed" and [r["aggregated"] for r in res["rounds"]] == [2, 2, 2]
+    for i in range(2):
+        saved = json.loads((tmp_path / f"silo{i}" / "ledger.json").read_text())
+        assert saved["ledger"]["entries"][0][3] == 3 and len(saved["paid"]) == 3  # rounds 1, 2, 3 once each

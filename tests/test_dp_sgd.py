@@ -417,7 +417,7 @@ def test_silo_stops_at_its_own_budget_even_if_the_server_plans_more(tmp_path):
     assert reasons and all("budget" in reason for reason in reasons)
     for context in grid._contexts.values():  # the silo's own ledger, in Context.state
         state = json.loads(str(context.state.config_records["dp-sgd-ledger"]["state"]))
-        assert SiloLedger.from_state_dict(state).epsilon() <= 1.0
+        assert SiloLedger.from_state_dict(state["ledger"]).epsilon() <= 1.0
 
 
 def test_dp_sgd_run_reports_every_silo(tmp_path):
