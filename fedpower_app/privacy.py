@@ -288,6 +288,8 @@ def make_plan(cfg: RunConfig, *, client_sizes: list[int], num_modules: int) -> A
         rank=cfg["lora.rank"],
         num_modules=num_modules,
         refactor_every=cfg["strategy.refactor-every"],
+        refactorization=cfg["strategy.client-refactorization"],
+        power_iters=cfg["strategy.power-iters"],
         sample_mode=cfg["dp.sample-mode"],
         accountant=cfg["dp.accountant"],
         calibration=cfg["dp.calibration"],

@@ -316,12 +316,12 @@ def noise_table(hook) -> dict[str, dict[str, Any]]:
     for rt in cal.noise_std:
         stds = stds_at(rt, 1)
         names = list(acc.BLOCK_NAMES.get(rt, ())) or [f"block{j + 1}" for j in range(len(stds))]
+        if len(names) < len(stds):  # PowerDP-L: (Y, X) per power iteration -> Y1, X1, Y2, X2, ...
+            names = [f"{names[j % len(names)]}{j // len(names) + 1}" for j in range(len(stds))]
         z = float(cal.z_per_round_type.get(rt, cal.z))
         try:
-            sens = [float(d) for d in acc.block_sensitivities(rt, plan.level, plan.clip, k=None, rank=plan.rank,
-                                                               num_modules=plan.num_modules)]
-            sens_k2 = acc.block_sensitivities(rt, plan.level, plan.clip, k=2, rank=plan.rank,
-                                              num_modules=plan.num_modules)
+            sens = [float(d) for d in plan.sensitivities(rt)]
+            sens_k2 = plan.sensitivities(rt, 2)
         except ValueError:  # a release the sensitivity table does not know: report the stds only
             sens, sens_k2 = None, None
         entry: dict[str, Any] = {

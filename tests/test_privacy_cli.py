@@ -25,6 +25,9 @@ SERVER_ARGS = [a for k, v in SERVER.items() for a in ("--set", f"{k}={v}")]
 
 METHOD_ROUND_TYPE = {"fedpower": "powerdp", "fedlora": "fedlora", "ffa-lora": "ffa",
                      "input-perturbation": "input", "output-perturbation": "output"}
+# Client level releases round deltas averaged over the fixed m = q_c N (6 here): DP-FedAvg style.
+CLIENT_ROUND_TYPE = {"fedpower": "powerdp-l", "fedlora": "fedlora-delta", "ffa-lora": "ffa-delta",
+                     "input-perturbation": "input-delta", "output-perturbation": "output"}
 C, M, R = 2.0, 12, 8  # defaults: dp.clip, MiniLM's LoRA modules (6 layers x query,value), lora.rank
 # Spec 3.1: L2 sensitivity of everything released in a round (sample level at k = 1).
 SPEC_DELTA = {
@@ -33,6 +36,9 @@ SPEC_DELTA = {
     ("ffa", "sample"): 2 * C, ("ffa", "client"): C,
     ("input", "sample"): 2 * C, ("input", "client"): C,
     ("output", "sample"): 2 * math.sqrt(M * R + C * C), ("output", "client"): 2 * math.sqrt(M * R + C * C),
+    # m = 6, PowerDP-L with the default 2 power iterations: 4 releases of C/m each
+    ("powerdp-l", "client"): math.sqrt(4) * C / 6, ("fedlora-delta", "client"): C / 6,
+    ("ffa-delta", "client"): C / 6, ("input-delta", "client"): C / 6,
 }
 
 # the default run: the generated training set split over fedpower-run's 6 silos
@@ -142,7 +148,7 @@ def test_module_count_is_the_servers(targets):
 # printed sensitivity = the one the noise uses
 # ------------------------------------------------------------------------------------------
 
-_ROUND = re.compile(r"^  (\w+)\s+Delta(?:_eff)?=(\S+)\s+std(?:_eq)?=(\S+)\s+z=(\S+)", re.M)
+_ROUND = re.compile(r"^  ([\w-]+)\s+Delta(?:_eff)?=(\S+)\s+std(?:_eq)?=(\S+)\s+z=(\S+)", re.M)
 _BLOCKS = re.compile(r"^\s+blocks: (.*)$", re.M)
 _BLOCK = re.compile(r"(\w+) Delta=([0-9.e+-]+) std=([0-9.e+-]+)")
 
@@ -155,7 +161,7 @@ def test_printed_std_is_z_times_printed_delta(method, level, calibration, capsys
         pytest.skip("one client-level paper case is enough")
     over = {"strategy.name": method, "dp.level": level, "dp.calibration": calibration, **SERVER}
     argv = [a for k, v in over.items() for a in ("--set", f"{k}={v}")]
-    rt = METHOD_ROUND_TYPE[method]
+    rt = (CLIENT_ROUND_TYPE if level == "client" else METHOD_ROUND_TYPE)[method]
     hook = build_privacy(parse_config(over), client_sizes=DEFAULT_SIZES, num_modules=M)
     server_stds = hook.noise_stds(rt, 1)  # what the strategy adds (k = 1 aggregated client)
 

@@ -13,7 +13,13 @@ from typing import Any, Callable, Sequence, Union
 import numpy as np
 
 METHODS = ("fedpower", "fedlora", "ffa-lora", "input-perturbation", "output-perturbation")
+# Releases of the silos' whole clipped adapters (the paper's mechanisms; server-side noise).
 ROUND_TYPES = ("powerdp", "fedlora", "ffa", "input", "output")
+# Client level, on round deltas with the fixed denominator m = q_c N (DP-FedAvg style).
+DELTA_ROUND_TYPES = ("powerdp-l", "fedlora-delta", "ffa-delta", "input-delta")
+#: How FedPower refactorizes at client level: PowerDP-L (noise inside the power iteration) or the
+#: paper's PowerDP on the averaged delta (diameter sensitivity; an ablation).
+CLIENT_REFACTORIZATIONS = ("powerdp-l", "powerdp")
 LEVELS = ("sample", "client")
 SAMPLE_MODES = ("two-stage", "product")
 ACCOUNTANTS = ("rdp", "pld")
@@ -30,7 +36,7 @@ def _norm_name(value: Any, valid: Sequence[str], what: str) -> str:
 
 
 def _check_round_type(round_type: str) -> str:
-    return _norm_name(round_type, ROUND_TYPES, "round type")
+    return _norm_name(round_type, ROUND_TYPES + DELTA_ROUND_TYPES, "round type")
 
 
 def _check_level(level: str) -> str:

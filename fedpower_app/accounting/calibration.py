@@ -206,11 +206,9 @@ def _noise_tables(plan: PrivacyPlan, counts: dict, noise: tuple) -> tuple:
     kind, val = noise
     for rt in counts:
         if kind == "z":
-            stds[rt] = noise_stds(rt, plan.level, val, plan.clip, k=None, rank=plan.rank,
-                                  num_modules=plan.num_modules)
+            stds[rt] = plan.stds(rt, val)
         else:
-            n = len(block_sensitivities(rt, plan.level, plan.clip, rank=plan.rank,
-                                        num_modules=plan.num_modules))
+            n = len(plan.sensitivities(rt))
             stds[rt] = [float(val) * plan.clip] * n
         zs[rt] = _type_z(plan, rt, noise)
     return stds, zs

@@ -91,11 +91,9 @@ class PrivacyLedger:
         """Per-block noise std the server must use this round (pass the realised k at sample level)."""
         rt = _check_round_type(round_type)
         if self.calibration.mode == "paper":
-            n = len(block_sensitivities(rt, self.plan.level, self.plan.clip, rank=self.plan.rank,
-                                        num_modules=self.plan.num_modules))
+            n = len(self.plan.sensitivities(rt))
             return [float(self.calibration.sigma_alg) * self.plan.clip] * n
-        return noise_stds(rt, self.plan.level, self.calibration.z, self.plan.clip, k=k,
-                          rank=self.plan.rank, num_modules=self.plan.num_modules)
+        return self.plan.stds(rt, self.calibration.z, k)
 
     def rdp_for_round(self, round_type: str, z: Optional[float] = None) -> np.ndarray:
         """Per-round RDP curve of a round of this type under the plan (rigorous: same for all types)."""

@@ -27,6 +27,8 @@ from ._common import (
     SAMPLE_MODES,
     _check_level,
     _check_prob,
+    CLIENT_REFACTORIZATIONS,
+    DELTA_ROUND_TYPES,
     _check_round_type,
     _is_int,
     _norm_name,
@@ -49,10 +51,19 @@ BLOCK_NAMES = {
     "ffa": ("B_avg",),
     "input": ("W",),
     "output": ("A", "B"),
+    "powerdp-l": ("Y", "X"),  # per power iteration
+    "fedlora-delta": ("dAB",),  # (dA, dB, head) jointly clipped: one block
+    "ffa-delta": ("dB",),
+    "input-delta": ("dW",),
 }
 
+
 #: Round types whose released blocks have a sensitivity that does not depend on k.
-_K_INDEPENDENT = ("powerdp", "output")
+_K_INDEPENDENT = ("powerdp", "output", *DELTA_ROUND_TYPES)
+
+#: Client level: the round type of each method (FedPower's depends on its refactorization).
+CLIENT_ROUND_TYPE = {"fedlora": "fedlora-delta", "ffa-lora": "ffa-delta", "input-perturbation": "input-delta",
+                     "output-perturbation": "output"}
 
 
 # --------------------------------------------------------------------------------------------
@@ -98,12 +109,22 @@ def sample_rate_pi(client_sizes: Sequence[int], batch_size: int, local_steps: in
     return best
 
 
-def round_schedule(method: str, num_rounds: int, refactor_every: int = 1) -> list:
+def round_schedule(method: str, num_rounds: int, refactor_every: int = 1, level: str = "sample",
+                   refactorization: str = "powerdp-l") -> list:
     """Round type released in each round t = 1..T.
 
     ``fedpower``: PowerDP on rounds with ``t % F == 0`` (every round when F == 1), FedLoRA release
     otherwise. Other methods release the same round type every round (``refactor_every`` ignored).
+    At client level every release is of the round's delta (``CLIENT_ROUND_TYPE``); FedPower
+    refactorizes with ``refactorization`` (PowerDP-L, or the paper's PowerDP as an ablation).
     """
+    if _check_level(level) == "client":
+        m = _norm_name(method, METHODS, "method")
+        ref = _norm_name(refactorization, CLIENT_REFACTORIZATIONS, "client refactorization")
+        sched = round_schedule(method, num_rounds, refactor_every)
+        if m == "fedpower":
+            return [ref if rt == "powerdp" else "fedlora-delta" for rt in sched]
+        return [CLIENT_ROUND_TYPE[m]] * len(sched)
     m = _norm_name(method, METHODS, "method")
     if not _is_int(num_rounds) or int(num_rounds) <= 0:
         raise ValueError(f"num_rounds must be a positive integer, got {num_rounds!r}")
@@ -144,8 +165,16 @@ def block_sensitivities(
     k: Optional[int] = None,
     rank: int = 8,
     num_modules: int = 1,
+    denominator: Optional[float] = None,
+    iters: int = 1,
 ) -> list:
     """L2 sensitivity of each released block of a round (add/remove adjacency).
+
+    Client-level delta releases (``DELTA_ROUND_TYPES``) average clipped round deltas with the fixed
+    ``denominator`` m = q_c N, so one client moves the average by at most C/m:
+    ``powerdp-l`` releases 2 blocks (Y, X) per power iteration (``iters``), each C/m (adaptive
+    composition of 1-Lipschitz Gaussian releases, spec §3.2); ``fedlora-delta`` one block (the
+    jointly clipped (dA, dB, head)), ``ffa-delta`` and ``input-delta`` one block, each C/m.
 
     ========== ============================== ==========================
     round type sample level                   client level
@@ -171,6 +200,15 @@ def block_sensitivities(
         raise ValueError(f"rank must be a positive integer, got {rank!r}")
     if not _is_int(num_modules) or int(num_modules) <= 0:
         raise ValueError(f"num_modules must be a positive integer, got {num_modules!r}")
+    if rt in DELTA_ROUND_TYPES:
+        if lvl != "client":
+            raise ValueError(f"round type {rt!r} is a client-level release of round deltas")
+        if denominator is None or not (math.isfinite(float(denominator)) and float(denominator) > 0):
+            raise ValueError(f"round type {rt!r} needs the fixed denominator m = q_c N > 0, got {denominator!r}")
+        if not _is_int(iters) or int(iters) <= 0:
+            raise ValueError(f"iters must be a positive integer, got {iters!r}")
+        d = C / float(denominator)
+        return [d] * (2 * int(iters)) if rt == "powerdp-l" else [d]
     if rt == "powerdp":
         return [2.0 * C, 2.0 * C]
     if rt == "output":
@@ -192,6 +230,8 @@ def noise_stds(
     k: Optional[int] = None,
     rank: int = 8,
     num_modules: int = 1,
+    denominator: Optional[float] = None,
+    iters: int = 1,
 ) -> list:
     """Per-entry noise std of each block so that the round's effective multiplier equals ``z``.
 
@@ -202,7 +242,8 @@ def noise_stds(
     zz = float(z)
     if not (zz > 0) or math.isnan(zz):
         raise ValueError(f"z (noise multiplier) must be > 0, got {z!r}")
-    sens = block_sensitivities(round_type, level, clip, k=k, rank=rank, num_modules=num_modules)
+    sens = block_sensitivities(round_type, level, clip, k=k, rank=rank, num_modules=num_modules,
+                               denominator=denominator, iters=iters)
     n = len(sens)
     return [math.sqrt(n) * zz * d for d in sens]
 
@@ -257,6 +298,8 @@ class PrivacyPlan:
     rank: int = 8
     num_modules: int = 1
     refactor_every: int = 1
+    refactorization: str = "powerdp-l"  # client level, FedPower: "powerdp-l" or the paper's "powerdp"
+    power_iters: int = 1  # power iterations per PowerDP-L release (each adds 2 noisy blocks)
     sample_mode: str = "two-stage"
     accountant: str = "rdp"
     calibration: str = "rigorous"
@@ -311,6 +354,8 @@ class PrivacyPlan:
         self.rank = posint("rank")
         self.num_modules = posint("num_modules")
         self.refactor_every = posint("refactor_every")
+        self.power_iters = posint("power_iters")
+        self.refactorization = _norm_name(self.refactorization, CLIENT_REFACTORIZATIONS, "refactorization")
         self.pld_interval = num("pld_interval")
         if self.batch_size is not None:
             self.batch_size = posint("batch_size")
@@ -348,7 +393,23 @@ class PrivacyPlan:
 
     @property
     def schedule(self) -> list:
-        return round_schedule(self.method, self.num_rounds, self.refactor_every)
+        return round_schedule(self.method, self.num_rounds, self.refactor_every, self.level, self.refactorization)
+
+    @property
+    def denominator(self) -> Optional[float]:
+        """The fixed denominator m = q_c N of the client-level delta averages (None at sample level)."""
+        return self.client_rate * self.num_clients if self.level == "client" else None
+
+    def sensitivities(self, round_type: str, k: Optional[int] = None) -> list:
+        """``block_sensitivities`` of a round type of this plan."""
+        return block_sensitivities(round_type, self.level, self.clip, k=k, rank=self.rank,
+                                   num_modules=self.num_modules, denominator=self.denominator,
+                                   iters=self.power_iters)
+
+    def stds(self, round_type: str, z: float, k: Optional[int] = None) -> list:
+        """``noise_stds`` of a round type of this plan at effective multiplier ``z``."""
+        return noise_stds(round_type, self.level, z, self.clip, k=k, rank=self.rank, num_modules=self.num_modules,
+                          denominator=self.denominator, iters=self.power_iters)
 
     def paper_q(self) -> float:
         """The paper's sampling rate in its sigma formula: q_c (client) or q_c * b/mean(n_i) (sample)."""
@@ -367,9 +428,7 @@ class PrivacyPlan:
 
 
 def _fixed_noise_z(plan: PrivacyPlan, round_type: str, std: float, k: Optional[int]) -> float:
-    sens = block_sensitivities(
-        round_type, plan.level, plan.clip, k=k, rank=plan.rank, num_modules=plan.num_modules
-    )
+    sens = plan.sensitivities(round_type, k)
     return effective_z(sens, [std] * len(sens))
 
 
