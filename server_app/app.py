@@ -299,6 +299,9 @@ def _run(grid: Grid, cfg: RunConfig, run_dir: Path, results: ResultsWriter, chec
         eval_fraction=cfg["eval.fraction-clients"],
         population=list(sizes),  # in partition order: the order of the sampling coins
         refactor_every=cfg["strategy.refactor-every"],
+        client_level=cfg["dp.level"] == "client",
+        refactorization=cfg["strategy.client-refactorization"],
+        denominator=privacy.plan.denominator if cfg["dp.level"] == "client" else None,  # m = q_c N
     )
     evaluate_fn = CentralEvaluator(cfg, model, splits, device)
     t_start = time.time() - (float(checkpoint["elapsed"]) if checkpoint else 0.0)

@@ -36,11 +36,14 @@ from .releases import (
     output_perturbation_release,
 )
 from .privacy_contract import BudgetExhausted, NoPrivacy, PrivacyHook  # noqa: F401 (re-exported)
+from . import client_delta as CD
 from .validation import InvalidReply, check_declared_arrays, validate_tensors
 
 log = logging.getLogger("fedpower")
 
 LORA_A, LORA_B = ".lora_A.weight", ".lora_B.weight"
+# Client level: the delta release of each method's base release (FedPower's refactorization aside).
+CLIENT_RELEASE = {"fedlora": "fedlora-delta", "ffa": "ffa-delta", "input": "input-delta", "output": "output"}
 
 
 @dataclass
@@ -117,6 +120,9 @@ class LoRAStrategy(Strategy):
         eval_fraction: float = 0.0,
         population: list[int] | None = None,
         min_nodes: int = 1,
+        client_level: bool = False,
+        refactorization: str = "powerdp-l",
+        denominator: float | None = None,
     ) -> None:
         if not 0.0 < client_rate <= 1.0:
             raise ValueError(f"client_rate must be in (0, 1], got {client_rate}")
@@ -132,6 +138,14 @@ class LoRAStrategy(Strategy):
             raise ValueError("population lists a node more than once")
         self.population = list(population) if population else None
         self.min_nodes = min_nodes
+        # Client level (strategies/client_delta.py): releases of each silo's round delta, averaged
+        # over the fixed expected cohort m = q_c N; FedPower refactorizes with PowerDP-L (or the
+        # paper's PowerDP on the delta, an ablation).
+        if client_level and not (denominator and denominator > 0):
+            raise ValueError("client level needs the fixed denominator m = q_c N > 0")
+        if refactorization not in ("powerdp-l", "powerdp"):
+            raise ValueError(f"refactorization must be powerdp-l or powerdp, got {refactorization!r}")
+        self.client_level, self.refactorization, self.denominator = client_level, refactorization, denominator
         self.device = device
         self.global_state = {k: v.detach().to(torch.float32).clone() for k, v in initial_state.items()}
         self.modules = sorted(k[: -len(LORA_A)] for k in self.global_state if k.endswith(LORA_A))
@@ -162,8 +176,19 @@ class LoRAStrategy(Strategy):
 
     # -- round schedule --------------------------------------------------------------------
     @abstractmethod
+    def base_round_type(self, server_round: int) -> str:
+        """The method's release in this round: powerdp, fedlora, ffa, input or output."""
+
     def round_type(self, server_round: int) -> str:
-        """What is released in this round: powerdp, fedlora, ffa, input or output."""
+        """What is released in this round (at client level: the delta release of the method)."""
+        base = self.base_round_type(server_round)
+        if not self.client_level:
+            return base
+        return self.refactorization if base == "powerdp" else CLIENT_RELEASE[base]
+
+    def _global_factors(self):
+        return ({m: self.global_state[m + LORA_A] for m in self.modules},
+                {m: self.global_state[m + LORA_B] for m in self.modules})
 
     def expected_reply_shapes(self) -> dict[str, tuple[int, ...]]:
         keys = [m + LORA_B for m in self.modules] + self.extras
@@ -173,6 +198,21 @@ class LoRAStrategy(Strategy):
 
     def release(self, round_type: str, updates: list[AdapterUpdate], stds: list[float], gen) -> Release:
         ctx = self.ctx
+        if self.client_level:
+            glob, m = self._global_factors(), self.denominator
+            if round_type == "powerdp-l":
+                return CD.powerdp_l_release(updates, ctx, glob, stds[0], gen, m)
+            if round_type == "fedlora-delta":
+                return CD.fedlora_delta_release(updates, ctx, glob, stds[0], gen, m)
+            if round_type == "ffa-delta":
+                return CD.ffa_delta_release(updates, ctx, glob, stds[0], gen, m)
+            if round_type == "input-delta":
+                return CD.input_delta_release(updates, ctx, glob, stds[0], gen, m)
+            if round_type == "powerdp":
+                return CD.powerdp_delta_release(updates, ctx, glob, stds[0], gen)
+            if round_type == "output":
+                return CD.output_delta_release(updates, ctx, glob, stds[0], stds[1], gen)
+            raise ValueError(f"unknown client-level round type {round_type!r}")
         if round_type == "powerdp":
             return fedpower_release(updates, ctx, stds[0], gen)
         if round_type == "fedlora":
@@ -427,7 +467,7 @@ class FedPowerStrategy(LoRAStrategy):
         self.perturbation = perturbation
         self.refactor_every = refactor_every
 
-    def round_type(self, server_round: int) -> str:
+    def base_round_type(self, server_round: int) -> str:
         if self.refactor_every == 1 or server_round % self.refactor_every == 0:
             return self.perturbation
         return "fedlora"
@@ -438,7 +478,7 @@ class FedLoRAStrategy(LoRAStrategy):
 
     method = "fedlora"
 
-    def round_type(self, server_round: int) -> str:
+    def base_round_type(self, server_round: int) -> str:
         return "fedlora"
 
 
@@ -448,7 +488,7 @@ class FFALoRAStrategy(LoRAStrategy):
     method = "ffa-lora"
     replies_a = False
 
-    def round_type(self, server_round: int) -> str:
+    def base_round_type(self, server_round: int) -> str:
         return "ffa"
 
 

@@ -1,0 +1,143 @@
+"""Client-level DP on round deltas (strategies/client_delta.py): the delta clipping bounds every
+silo's contribution (float64), the factored delta norm equals the dense one, adding the public
+global back is exact, the linear releases reduce to the clipped average with zero noise, and an
+empty round still releases noise."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from strategies import NoiseSource
+from strategies import client_delta as CD
+from strategies.aggregation import AdapterUpdate, group_modules
+from strategies.releases import ReleaseContext
+
+F64 = torch.float64
+SHAPES = {"l0.q": (12, 10, 2), "l0.v": (12, 10, 2), "l1.q": (8, 6, 2)}
+
+
+def gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def glob(seed=0):
+    g = gen(seed)
+    A = {n: torch.randn(r, k, generator=g, dtype=F64) for n, (m, k, r) in SHAPES.items()}
+    B = {n: torch.randn(m, r, generator=g, dtype=F64) * 0.1 for n, (m, k, r) in SHAPES.items()}
+    return A, B
+
+
+def client(gl, seed, scale=1.0, head=True):
+    g = gen(100 + seed)
+    A = {n: gl[0][n] + scale * torch.randn(gl[0][n].shape, generator=g, dtype=F64) for n in SHAPES}
+    B = {n: gl[1][n] + scale * torch.randn(gl[1][n].shape, generator=g, dtype=F64) for n in SHAPES}
+    extra = {"head": scale * torch.randn(2, 4, generator=g, dtype=F64)} if head else {}
+    return AdapterUpdate(A=A, B=B, extra=extra)
+
+
+def ctx(clip=1.0, head=True, iters=2):
+    return ReleaseContext(groups=group_modules(SHAPES), extra_shapes={"head": (2, 4)} if head else {}, clip=clip,
+                          rank=2, power_iters=iters, noise=NoiseSource(0), dtype=F64)
+
+
+def dense_delta(u, gl):
+    return {n: u.B[n] @ u.A[n] - gl[1][n] @ gl[0][n] for n in SHAPES}
+
+
+def test_factored_delta_norm_equals_dense_norm():
+    gl = glob()
+    ups = [client(gl, i, scale=0.5 * (i + 1)) for i in range(3)]
+    sq = CD.product_delta_sq_norms(ups, group_modules(SHAPES), gl)
+    for i, u in enumerate(ups):
+        dense = sum(float(d.pow(2).sum()) for d in dense_delta(u, gl).values()) + float(u.extra["head"].pow(2).sum())
+        assert float(sq[i]) == pytest.approx(dense, rel=1e-12)
+
+
+@pytest.mark.parametrize("scale", [1e-3, 1.0, 30.0])
+def test_delta_clipping_bounds_each_contribution_float64(scale):
+    gl = glob()
+    ups = [client(gl, i, scale=scale) for i in range(4)]
+    c = ctx(clip=0.7)
+    sq = CD.product_delta_sq_norms(ups, c.groups, gl)
+    norms, scales, w = CD._weights(sq, c.clip, 4.0)
+    for i, u in enumerate(ups):
+        d = dense_delta(u, gl)
+        contribution = (sum(float((scales[i] * x).pow(2).sum()) for x in d.values())
+                        + float((scales[i] * u.extra["head"]).pow(2).sum())) ** 0.5
+        assert contribution <= 0.7 * (1 + 1e-9)
+        if float(norms[i]) <= 0.7 / (1 + 1e-4):
+            assert float(scales[i]) == 1.0  # small changes are not touched
+    assert torch.allclose(w, scales / 4.0)
+
+
+def test_adding_the_public_global_back_is_exact():
+    gl = glob()
+    ups = [client(gl, i, scale=0.3) for i in range(3)]
+    w = torch.tensor([0.2, 0.05, 0.1], dtype=F64)
+    for g in group_modules(SHAPES):
+        Bs, As, _ = CD._group_new_w_factors(ups, g, gl, w, "cpu", F64)
+        for j, n in enumerate(g.names):
+            want = gl[1][n] @ gl[0][n] + sum(float(w[i]) * dense_delta(u, gl)[n] for i, u in enumerate(ups))
+            assert torch.allclose(Bs[j] @ As[j], want, atol=1e-12, rtol=0)
+    # no reply: W is the public global itself
+    for g in group_modules(SHAPES):
+        Bs, As, _ = CD._group_new_w_factors([], g, gl, torch.zeros(0, dtype=F64), "cpu", F64)
+        for j, n in enumerate(g.names):
+            assert torch.allclose(Bs[j] @ As[j], gl[1][n] @ gl[0][n], atol=1e-14)
+
+
+def test_linear_releases_are_the_clipped_average_over_the_fixed_denominator():
+    gl = glob()
+    ups = [client(gl, i, scale=1e-3) for i in range(2)]  # below the clip: scale 1
+    rel = CD.fedlora_delta_release(ups, ctx(clip=10.0), gl, 0.0, gen(1), denominator=4.0)
+    for n in SHAPES:
+        want_a = gl[0][n] + sum(u.A[n] - gl[0][n] for u in ups) / 4.0  # divided by m = 4, not by k = 2
+        want_b = gl[1][n] + sum(u.B[n] - gl[1][n] for u in ups) / 4.0
+        assert torch.allclose(rel.A[n], want_a, atol=1e-14) and torch.allclose(rel.B[n], want_b, atol=1e-14)
+    assert torch.allclose(rel.extra_delta["head"], sum(u.extra["head"] for u in ups) / 4.0, atol=1e-14)
+    ffa = CD.ffa_delta_release(ups, ctx(clip=10.0), gl, 0.0, gen(1), denominator=4.0)
+    assert not ffa.A and all(torch.allclose(ffa.B[n], rel.B[n], atol=1e-14) for n in SHAPES)
+
+
+def test_powerdp_l_release_without_noise_refactorizes_the_new_global():
+    from strategies import powerdp_l
+
+    gl = glob()
+    ups = [client(gl, i, scale=0.05) for i in range(3)]
+    c = ctx(clip=100.0, iters=3)
+    rel = CD.powerdp_l_release(ups, c, gl, 0.0, gen(2), denominator=3.0)
+    for g in c.groups:
+        W = torch.stack([gl[1][n] @ gl[0][n] + sum(dense_delta(u, gl)[n] for u in ups) / 3.0 for n in g.names])
+        B, A = powerdp_l(W, a_prev=torch.stack([gl[0][n] for n in g.names]), iters=3, noise_std=0.0, generator=gen(0))
+        for j, n in enumerate(g.names):
+            assert torch.allclose(rel.B[n] @ rel.A[n], B[j] @ A[j], atol=1e-10)
+
+
+def test_an_empty_round_still_releases_noise():
+    gl = glob()
+    for fn in (CD.fedlora_delta_release, CD.ffa_delta_release, CD.powerdp_l_release):
+        rel = fn([], ctx(), gl, 0.5, gen(3), denominator=5.0)
+        assert rel.num_clients == 0
+        assert any(not torch.allclose(rel.B[n], gl[1][n]) for n in SHAPES)  # noise, not a skipped round
+        assert rel.extra_delta["head"].abs().sum() > 0
+
+
+@pytest.mark.parametrize("name, extra, round_type, blocks", [
+    ("fedpower", {}, "powerdp-l", 4), ("fedlora", {}, "fedlora-delta", 1), ("ffa-lora", {}, "ffa-delta", 1),
+    ("fedpower", {"strategy.client-refactorization": "powerdp"}, "powerdp", 2),
+])
+def test_client_level_runs_release_deltas_through_the_real_apps(tmp_path, name, extra, round_type, blocks):
+    """In-process ServerApp + ClientApp at dp.level = client: the round type, the stds of the
+    calibration (fixed denominator m = q_c N = 3), and the budget."""
+    from tests.test_app_inprocess import run_inprocess
+
+    res, _ = run_inprocess(tmp_path, num_nodes=3, **{"num-server-rounds": 2, "dp.level": "client",
+                                                     "strategy.name": name, "dp.clip": 0.5, **extra})
+    cal = res["privacy"]["calibration"]
+    assert res["status"] == "completed" and cal["is_valid_guarantee"] and cal["level"] == "client"
+    for row in res["rounds"]:
+        assert row["round_type"] == round_type and row["aggregated"] == 3
+        assert row["noise_stds"] == pytest.approx(cal["noise_std"][round_type])
+        assert len(row["noise_stds"]) == blocks
+    assert 0 < res["rounds"][0]["epsilon"] < res["rounds"][1]["epsilon"] <= 8.0 * (1 + 1e-6)
