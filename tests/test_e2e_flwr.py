@@ -69,3 +69,23 @@ def test_flwr_run_rejects_bad_config(flwr_home, tmp_path):
                        num_supernodes=2, flwr_home=flwr_home, superlink_port=PORT, echo=False, timeout=600)
     assert not outcome.ok
     assert "lora.rank" in outcome.output
+
+
+def test_cross_device_simulation_with_many_clients(flwr_home, tmp_path):
+    """Client-level DP on round deltas through `flwr run` with 60 simulated clients and a cohort of
+    about 6 (q_c = 0.1): every round trains only the sampled clients and releases noise; the
+    accountant composes Poisson-subsampled Gaussians at rate q_c."""
+    out = tmp_path / "outputs"
+    overrides = {"output-dir": str(out), "run-name": "xdev", "dp.level": "client", "strategy.client-rate": 0.1,
+                 "task.synthetic-train-size": 60 * 20, "train.batch-size": 8, "num-server-rounds": 2, "dp.clip": 0.5}
+    outcome = run_flwr(PROJECT_ROOT, overrides, preset=PROJECT_ROOT / "conf" / "tiny.toml", num_supernodes=60,
+                       flwr_home=flwr_home, superlink_port=PORT, echo=False, timeout=1200)
+    assert outcome.ok, outcome.output[-3000:]
+    results = json.loads((out / "xdev" / "results.json").read_text())
+    assert results["status"] == "completed" and results["clients"]["count"] == 60
+    cal = results["privacy"]["calibration"]
+    assert cal["level"] == "client" and cal["client_rate"] == 0.1 and cal["is_valid_guarantee"]
+    for row in results["rounds"]:
+        assert row["round_type"] == "powerdp-l" and row["sampled"] < 30  # a cohort, not the population
+        assert row["aggregated"] == row["sampled"] and len(row["noise_stds"]) == 4
+    assert results["rounds"][-1]["epsilon"] <= 8.0 * (1 + 1e-6)
