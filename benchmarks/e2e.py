@@ -169,7 +169,8 @@ def _bare_setup(overrides: dict, device_name: str) -> dict:
     from fedpower_app.privacy import build_privacy
     from fedpower_app.training import evaluate as evaluate_model
     from fedpower_app.training import silo_randomness, train_local
-    from strategies import AdapterUpdate, ReleaseContext, fedlora_release, fedpower_release, group_modules
+    from strategies import AdapterUpdate, ReleaseContext, group_modules
+    from strategies import mechanisms as MECH
     from strategies.noise import NoiseSource
 
     cfg = parse_config({**overrides, "device": device_name})
@@ -204,7 +205,7 @@ def _bare_setup(overrides: dict, device_name: str) -> dict:
     def one_round(rnd: int) -> None:
         coins = noise.bernoulli(n, cfg["strategy.client-rate"], noise.generator("client-sampling", rnd))
         sampled = [pid for pid, c in enumerate(coins.tolist()) if c]
-        round_type = "powerdp" if method == "fedpower" else "fedlora"
+        round_type = MECH.round_type(method, rnd)
         privacy.check(round_type, rnd)
         t_tr = time.perf_counter()
         updates = []
@@ -220,20 +221,10 @@ def _bare_setup(overrides: dict, device_name: str) -> dict:
                                          extra={k: st[k] - global_state[k] for k in extras}))
         train_s.append(time.perf_counter() - t_tr)
         t_agg = time.perf_counter()
-        stds = privacy.noise_stds(round_type, len(updates))
-        g = noise.generator("release", rnd, device=device)
-        if round_type == "powerdp":
-            rel = fedpower_release(updates, ctx, stds[0], g)
-        else:
-            rel = fedlora_release(updates, ctx, stds[0], stds[1], g)
-        for name, A in rel.A.items():
-            global_state[name + M.LORA_A] = A.detach().to("cpu", torch.float32)
-        for name, B in rel.B.items():
-            global_state[name + M.LORA_B] = B.detach().to("cpu", torch.float32)
-        for k, dlt in rel.extra_delta.items():
-            global_state[k] = global_state[k] + dlt.detach().to("cpu", torch.float32)
+        # the product's round step, the same call the strategy makes (no copy of it here)
+        MECH.release_round(round_type, updates, ctx=ctx, privacy=privacy, noise=noise, server_round=rnd,
+                           global_state=global_state, num_sampled=len(sampled))
         agg_s.append(time.perf_counter() - t_agg)
-        privacy.record(round_type, rnd, len(sampled), len(updates))
         t_ev = time.perf_counter()
         if rnd % cfg["eval.every"] == 0 or rnd == rounds:
             central_eval()

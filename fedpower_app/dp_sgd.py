@@ -35,8 +35,11 @@ from .training import PHYSICAL_BATCH_SIZE, TrainStats, _autocast, _seeded_dropou
 
 def clipped_sensitivity(clip: float, head_clip: float = 0.0) -> float:
     """The L2 bound on one example's clipped gradient, i.e. on its share of a step's clipped sum:
-    C with one joint clip, √(C² + C_h²) with the head clipped apart (GroupClippedDPOptimizer)."""
-    return math.hypot(clip, head_clip)
+    C with one joint clip, √(C² + C_h²) with the head clipped apart (GroupClippedDPOptimizer).
+    The formula's home is the mechanism ``dp-sgd`` (strategies/mechanisms.py)."""
+    from strategies.mechanisms import MECHANISMS, SensitivityArgs
+
+    return MECHANISMS["dp-sgd"].sensitivities(SensitivityArgs(clip=clip, level="sample", head_clip=head_clip))[0]
 
 
 @dataclass(frozen=True)

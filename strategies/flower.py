@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import time
-from abc import abstractmethod
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Iterable
@@ -36,14 +35,12 @@ from .releases import (
     output_perturbation_release,
 )
 from .privacy_contract import BudgetExhausted, NoPrivacy, PrivacyHook  # noqa: F401 (re-exported)
-from . import client_delta as CD
+from . import mechanisms as MECH
 from .validation import InvalidReply, check_declared_arrays, validate_tensors
 
 log = logging.getLogger("fedpower")
 
 LORA_A, LORA_B = ".lora_A.weight", ".lora_B.weight"
-# Client level: the delta release of each method's base release (FedPower's refactorization aside).
-CLIENT_RELEASE = {"fedlora": "fedlora-delta", "ffa": "ffa-delta", "input": "input-delta", "output": "output"}
 
 
 @dataclass
@@ -146,6 +143,8 @@ class LoRAStrategy(Strategy):
         if refactorization not in ("powerdp-l", "powerdp"):
             raise ValueError(f"refactorization must be powerdp-l or powerdp, got {refactorization!r}")
         self.client_level, self.refactorization, self.denominator = client_level, refactorization, denominator
+        self.method_name = self.method  # FedPower's ablations set their own (input/output-perturbation)
+        self.refactor_every = 1
         self.device = device
         self.global_state = {k: v.detach().to(torch.float32).clone() for k, v in initial_state.items()}
         self.modules = sorted(k[: -len(LORA_A)] for k in self.global_state if k.endswith(LORA_A))
@@ -175,16 +174,12 @@ class LoRAStrategy(Strategy):
         self.stopped_reason: str | None = None
 
     # -- round schedule --------------------------------------------------------------------
-    @abstractmethod
-    def base_round_type(self, server_round: int) -> str:
-        """The method's release in this round: powerdp, fedlora, ffa, input or output."""
-
     def round_type(self, server_round: int) -> str:
-        """What is released in this round (at client level: the delta release of the method)."""
-        base = self.base_round_type(server_round)
-        if not self.client_level:
-            return base
-        return self.refactorization if base == "powerdp" else CLIENT_RELEASE[base]
+        """What is released in this round: the one schedule (strategies.mechanisms.round_type) that
+        the accountant also follows."""
+        return MECH.round_type(self.method_name, server_round, refactor_every=self.refactor_every,
+                               level="client" if self.client_level else "sample",
+                               refactorization=self.refactorization)
 
     def _global_factors(self):
         return ({m: self.global_state[m + LORA_A] for m in self.modules},
@@ -196,34 +191,14 @@ class LoRAStrategy(Strategy):
             keys += [m + LORA_A for m in self.modules]
         return {k: tuple(self.global_state[k].shape) for k in keys}
 
+    def _release_args(self) -> MECH.ReleaseArgs:
+        if not self.client_level:
+            return MECH.ReleaseArgs()
+        return MECH.ReleaseArgs(glob=self._global_factors(), denominator=self.denominator)
+
     def release(self, round_type: str, updates: list[AdapterUpdate], stds: list[float], gen) -> Release:
-        ctx = self.ctx
-        if self.client_level:
-            glob, m = self._global_factors(), self.denominator
-            if round_type == "powerdp-l":
-                return CD.powerdp_l_release(updates, ctx, glob, stds[0], gen, m)
-            if round_type == "fedlora-delta":
-                return CD.fedlora_delta_release(updates, ctx, glob, stds[0], gen, m)
-            if round_type == "ffa-delta":
-                return CD.ffa_delta_release(updates, ctx, glob, stds[0], gen, m)
-            if round_type == "input-delta":
-                return CD.input_delta_release(updates, ctx, glob, stds[0], gen, m)
-            if round_type == "powerdp":
-                return CD.powerdp_delta_release(updates, ctx, glob, stds[0], gen)
-            if round_type == "output":
-                return CD.output_delta_release(updates, ctx, glob, stds[0], stds[1], gen)
-            raise ValueError(f"unknown client-level round type {round_type!r}")
-        if round_type == "powerdp":
-            return fedpower_release(updates, ctx, stds[0], gen)
-        if round_type == "fedlora":
-            return fedlora_release(updates, ctx, stds[0], stds[1], gen)  # blocks [A, B]
-        if round_type == "ffa":
-            return ffa_release(updates, ctx, stds[0], gen)
-        if round_type == "input":
-            return input_perturbation_release(updates, ctx, stds[0], gen)
-        if round_type == "output":
-            return output_perturbation_release(updates, ctx, stds[0], stds[1], gen)  # blocks [A, B]
-        raise ValueError(f"unknown round type {round_type!r}")
+        """The round's release alone (no ledger, global unchanged): the mechanism's own function."""
+        return MECH.get(round_type).release(updates, self.ctx, stds, gen, self._release_args())
 
     # -- Flower Strategy API -----------------------------------------------------------------
     def summary(self) -> None:
@@ -328,13 +303,13 @@ class LoRAStrategy(Strategy):
             return None, None
 
         t0 = time.perf_counter()
-        stds = self.privacy.noise_stds(report.round_type, len(updates))
-        gen = self.noise.generator("release", server_round, device=self.ctx.device)
-        release = self.release(report.round_type, updates, stds, gen)
-        self._apply(release)
+        # The round step (strategies.mechanisms.release_round): stds, the mechanism's release, the
+        # new global adapters, and the ledger entry (a release counts even if silos dropped out).
+        release, stds = MECH.release_round(report.round_type, updates, ctx=self.ctx, privacy=self.privacy,
+                                           noise=self.noise, server_round=server_round,
+                                           global_state=self.global_state, num_sampled=len(self._sampled),
+                                           extra=self._release_args())
         report.aggregation_seconds = time.perf_counter() - t0
-        # The release happened: it is in the ledger even if clients dropped out (spec §4.2).
-        self.privacy.record(report.round_type, server_round, len(self._sampled), len(updates))
         report.noise_stds = [float(s) for s in stds]
         if release.update_norms:
             report.update_norm_mean = sum(release.update_norms) / len(release.update_norms)
@@ -346,12 +321,7 @@ class LoRAStrategy(Strategy):
         return _state_to_record(self.global_state), MetricRecord(metrics)
 
     def _apply(self, release: Release) -> None:
-        for name, A in release.A.items():
-            self.global_state[name + LORA_A] = A.detach().to("cpu", torch.float32)
-        for name, B in release.B.items():
-            self.global_state[name + LORA_B] = B.detach().to("cpu", torch.float32)
-        for key, delta in release.extra_delta.items():
-            self.global_state[key] = self.global_state[key] + delta.detach().to("cpu", torch.float32)
+        MECH.apply_release(self.global_state, release)
 
     def _finish_round(self, report: RoundReport) -> None:
         report.epsilon = self.privacy.epsilon()
@@ -457,20 +427,17 @@ class FedPowerStrategy(LoRAStrategy):
     """
 
     method = "fedpower"
+    _METHOD_OF = {"powerdp": "fedpower", "input": "input-perturbation", "output": "output-perturbation"}
 
     def __init__(self, *, perturbation: str = "powerdp", refactor_every: int = 1, **kw) -> None:
-        if perturbation not in ("powerdp", "input", "output"):
+        if perturbation not in self._METHOD_OF:
             raise ValueError(f"perturbation must be powerdp, input or output, got {perturbation!r}")
         if refactor_every < 1:
             raise ValueError(f"refactor_every must be >= 1, got {refactor_every}")
         super().__init__(**kw)
         self.perturbation = perturbation
+        self.method_name = self._METHOD_OF[perturbation]
         self.refactor_every = refactor_every
-
-    def base_round_type(self, server_round: int) -> str:
-        if self.refactor_every == 1 or server_round % self.refactor_every == 0:
-            return self.perturbation
-        return "fedlora"
 
 
 class FedLoRAStrategy(LoRAStrategy):
@@ -478,18 +445,12 @@ class FedLoRAStrategy(LoRAStrategy):
 
     method = "fedlora"
 
-    def base_round_type(self, server_round: int) -> str:
-        return "fedlora"
-
 
 class FFALoRAStrategy(LoRAStrategy):
     """FFA-LoRA (paper App. Alg. 7): A frozen at its seeded init; clip, average and noise B only."""
 
     method = "ffa-lora"
     replies_a = False
-
-    def base_round_type(self, server_round: int) -> str:
-        return "ffa"
 
 
 STRATEGY_CLASSES = {"fedpower": FedPowerStrategy, "input-perturbation": FedPowerStrategy,

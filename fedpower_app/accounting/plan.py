@@ -33,37 +33,19 @@ from ._common import (
     _is_int,
     _norm_name,
 )
+from strategies import mechanisms as MECH  # each mechanism's blocks, sensitivities and schedule: one home
+
 from .interface import RoundEvent
 from .pld import DEFAULT_PLD_INTERVAL
 
-#: Round type released every round by the non-FedPower methods.
-METHOD_ROUND_TYPE = {
-    "fedlora": "fedlora",
-    "ffa-lora": "ffa",
-    "input-perturbation": "input",
-    "output-perturbation": "output",
-}
+#: Round type released every round by the non-FedPower methods (whole adapters).
+METHOD_ROUND_TYPE = dict(MECH.METHOD_RELEASE)
 
 #: Names of the released blocks per round type (same order as block_sensitivities / noise_stds).
-BLOCK_NAMES = {
-    "powerdp": ("B_tilde", "A_tilde"),
-    "fedlora": ("A_avg", "B_avg"),
-    "ffa": ("B_avg",),
-    "input": ("W",),
-    "output": ("A", "B"),
-    "powerdp-l": ("Y", "X"),  # per power iteration
-    "fedlora-delta": ("dAB",),  # (dA, dB, head) jointly clipped: one block
-    "ffa-delta": ("dB",),
-    "input-delta": ("dW",),
-}
-
+BLOCK_NAMES = {name: m.blocks for name, m in MECH.MECHANISMS.items()}
 
 #: Round types whose released blocks have a sensitivity that does not depend on k.
-_K_INDEPENDENT = ("powerdp", "output", *DELTA_ROUND_TYPES)
-
-#: Client level: the round type of each method (FedPower's depends on its refactorization).
-CLIENT_ROUND_TYPE = {"fedlora": "fedlora-delta", "ffa-lora": "ffa-delta", "input-perturbation": "input-delta",
-                     "output-perturbation": "output"}
+_K_INDEPENDENT = tuple(name for name, m in MECH.MECHANISMS.items() if not m.k_dependent)
 
 
 # --------------------------------------------------------------------------------------------
@@ -111,29 +93,24 @@ def sample_rate_pi(client_sizes: Sequence[int], batch_size: int, local_steps: in
 
 def round_schedule(method: str, num_rounds: int, refactor_every: int = 1, level: str = "sample",
                    refactorization: str = "powerdp-l") -> list:
-    """Round type released in each round t = 1..T.
+    """Round type released in each round t = 1..T (``strategies.mechanisms.round_type``, the
+    schedule the strategy itself follows).
 
     ``fedpower``: PowerDP on rounds with ``t % F == 0`` (every round when F == 1), FedLoRA release
     otherwise. Other methods release the same round type every round (``refactor_every`` ignored).
-    At client level every release is of the round's delta (``CLIENT_ROUND_TYPE``); FedPower
-    refactorizes with ``refactorization`` (PowerDP-L, or the paper's PowerDP as an ablation).
+    At client level every release is of the round's delta; FedPower refactorizes with
+    ``refactorization`` (PowerDP-L, or the paper's PowerDP as an ablation).
     """
-    if _check_level(level) == "client":
-        m = _norm_name(method, METHODS, "method")
-        ref = _norm_name(refactorization, CLIENT_REFACTORIZATIONS, "client refactorization")
-        sched = round_schedule(method, num_rounds, refactor_every)
-        if m == "fedpower":
-            return [ref if rt == "powerdp" else "fedlora-delta" for rt in sched]
-        return [CLIENT_ROUND_TYPE[m]] * len(sched)
     m = _norm_name(method, METHODS, "method")
+    lvl = _check_level(level)
+    ref = _norm_name(refactorization, CLIENT_REFACTORIZATIONS, "client refactorization")
     if not _is_int(num_rounds) or int(num_rounds) <= 0:
         raise ValueError(f"num_rounds must be a positive integer, got {num_rounds!r}")
     if not _is_int(refactor_every) or int(refactor_every) <= 0:
         raise ValueError(f"refactor_every must be a positive integer, got {refactor_every!r}")
-    T, F = int(num_rounds), int(refactor_every)
-    if m == "fedpower":
-        return ["powerdp" if (F == 1 or t % F == 0) else "fedlora" for t in range(1, T + 1)]
-    return [METHOD_ROUND_TYPE[m]] * T
+    F = int(refactor_every) if m == "fedpower" else 1
+    return [MECH.round_type(m, t, refactor_every=F, level=lvl, refactorization=ref)
+            for t in range(1, int(num_rounds) + 1)]
 
 
 def _schedule_counts(schedule: Sequence[str]) -> dict:
@@ -200,25 +177,9 @@ def block_sensitivities(
         raise ValueError(f"rank must be a positive integer, got {rank!r}")
     if not _is_int(num_modules) or int(num_modules) <= 0:
         raise ValueError(f"num_modules must be a positive integer, got {num_modules!r}")
-    if rt in DELTA_ROUND_TYPES:
-        if lvl != "client":
-            raise ValueError(f"round type {rt!r} is a client-level release of round deltas")
-        if denominator is None or not (math.isfinite(float(denominator)) and float(denominator) > 0):
-            raise ValueError(f"round type {rt!r} needs the fixed denominator m = q_c N > 0, got {denominator!r}")
-        if not _is_int(iters) or int(iters) <= 0:
-            raise ValueError(f"iters must be a positive integer, got {iters!r}")
-        d = C / float(denominator)
-        return [d] * (2 * int(iters)) if rt == "powerdp-l" else [d]
-    if rt == "powerdp":
-        return [2.0 * C, 2.0 * C]
-    if rt == "output":
-        return [2.0 * math.sqrt(int(num_modules) * int(rank)), 2.0 * C]
-    if lvl == "sample":
-        keff = 1 if (kk is None or kk == 0) else kk
-        d = 2.0 * C / keff
-    else:
-        d = C
-    return [d, d] if rt == "fedlora" else [d]
+    return MECH.get(rt).sensitivities(MECH.SensitivityArgs(
+        clip=C, level=lvl, k=kk, rank=int(rank), num_modules=int(num_modules), denominator=denominator,
+        iters=int(iters) if _is_int(iters) else iters))
 
 
 def noise_stds(

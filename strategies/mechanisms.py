@@ -1,0 +1,196 @@
+"""Every privacy mechanism of a round, one object each (pure python/torch, no Flower).
+
+A :class:`Mechanism` is what one round releases, with everything the rest of the project needs
+to know about it: its name (the round type written to results.json), where the noise is added
+(``"server"`` or ``"silo"``), the levels it is valid at, its released blocks, the L2 sensitivity
+of each block, whether that sensitivity depends on the number k of aggregated silos, and the
+release function (the math in ``releases.py`` / ``client_delta.py``). The accountant
+(``fedpower_app.accounting.plan``) reads sensitivities and k-dependence from here, the strategy
+(``strategies/flower.py``) calls ``release`` from here, and :func:`round_type` is the one round
+schedule both use. Adding a mechanism is one entry in :data:`MECHANISMS` (and its math).
+
+DP-SGD on the silos is the mechanism ``"dp-sgd"``: the noise is added in every silo's local steps
+(``fedpower_app.dp_sgd``); the server's average, merge and refactorization of the noised replies
+are then post-processing (the ``fedpower``/``fedlora``/``ffa`` releases with zero noise).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from . import client_delta as CD
+from . import releases as R
+
+
+@dataclass(frozen=True)
+class SensitivityArgs:
+    """Inputs of a sensitivity formula: clip C, level, realised k (None = worst case), rank r,
+    number of LoRA modules M, fixed denominator m = q_c N (client-level deltas), power iterations,
+    and the DP-SGD head clip C_h."""
+
+    clip: float
+    level: str
+    k: Optional[int] = None
+    rank: int = 8
+    num_modules: int = 1
+    denominator: Optional[float] = None
+    iters: int = 1
+    head_clip: float = 0.0
+
+
+@dataclass(frozen=True)
+class ReleaseArgs:
+    """What a release needs besides the updates, the context, the stds and the generator."""
+
+    glob: tuple = field(default=({}, {}))  # (A_g, B_g) by module: the public global (client-level deltas)
+    denominator: Optional[float] = None
+
+
+@dataclass(frozen=True)
+class Mechanism:
+    name: str
+    noise_at: str                 # "server" | "silo"
+    levels: tuple                 # privacy levels at which it is a valid release
+    blocks: tuple                 # released blocks (per power iteration for powerdp-l)
+    sensitivity: Callable[[SensitivityArgs], list]
+    k_dependent: bool             # sample level: the sensitivity scales with 1/k (noise scaled to the realised k)
+    release: Optional[Callable] = None  # (updates, ctx, stds, generator, ReleaseArgs) -> Release
+    doc: str = ""
+
+    def sensitivities(self, args: SensitivityArgs) -> list:
+        if args.level not in self.levels:
+            raise ValueError(f"round type {self.name!r} is a {'/'.join(self.levels)}-level release"
+                             + (" of round deltas" if self.name in DELTA_MECHANISMS else "")
+                             + f", not {args.level}")
+        return [float(d) for d in self.sensitivity(args)]
+
+
+def _linear(args: SensitivityArgs) -> float:
+    """A linear average of clipped whole adapters: 2C/k given k (sample), C (client, random k)."""
+    if args.level == "sample":
+        k = 1 if not args.k else args.k
+        return 2.0 * args.clip / k
+    return args.clip
+
+
+def _fixed(args: SensitivityArgs) -> float:
+    """A client-level average of clipped round deltas over the fixed denominator m: C/m."""
+    m = args.denominator
+    if m is None or not (math.isfinite(float(m)) and float(m) > 0):
+        raise ValueError(f"needs the fixed denominator m = q_c N > 0, got {m!r}")
+    return args.clip / float(m)
+
+
+def _iters(args: SensitivityArgs) -> int:
+    if not isinstance(args.iters, int) or args.iters <= 0:
+        raise ValueError(f"iters must be a positive integer, got {args.iters!r}")
+    return args.iters
+
+
+def dp_sgd_sensitivity(clip: float, head_clip: float = 0.0) -> float:
+    """One example's clipped gradient: C, or sqrt(C^2 + C_h^2) when a trained head is clipped apart."""
+    return math.sqrt(clip * clip + head_clip * head_clip) if head_clip else float(clip)
+
+
+BOTH = ("sample", "client")
+
+MECHANISMS: dict[str, Mechanism] = {m.name: m for m in (
+    # -- the paper's mechanisms on the silos' whole clipped adapters (server-side noise) ----------
+    Mechanism("powerdp", "server", BOTH, ("B_tilde", "A_tilde"), lambda a: [2.0 * a.clip, 2.0 * a.clip], False,
+              lambda u, ctx, s, g, x: R.fedpower_release(u, ctx, s[0], g),
+              "PowerDP (paper Alg. 1): diameter 2C per released factor"),
+    Mechanism("fedlora", "server", BOTH, ("A_avg", "B_avg"), lambda a: [_linear(a)] * 2, True,
+              lambda u, ctx, s, g, x: R.fedlora_release(u, ctx, s[0], s[1], g), "FedLoRA: A and B averaged"),
+    Mechanism("ffa", "server", BOTH, ("B_avg",), lambda a: [_linear(a)], True,
+              lambda u, ctx, s, g, x: R.ffa_release(u, ctx, s[0], g), "FFA-LoRA: B averaged, A frozen"),
+    Mechanism("input", "server", BOTH, ("W",), lambda a: [_linear(a)], True,
+              lambda u, ctx, s, g, x: R.input_perturbation_release(u, ctx, s[0], g), "input perturbation"),
+    Mechanism("output", "server", BOTH, ("A", "B"),
+              lambda a: [2.0 * math.sqrt(a.num_modules * a.rank), 2.0 * a.clip], False,
+              lambda u, ctx, s, g, x: R.output_perturbation_release(u, ctx, s[0], s[1], g), "output perturbation"),
+    # -- client level, on round deltas, fixed denominator (strategies/client_delta.py) -------------
+    Mechanism("powerdp-l", "server", ("client",), ("Y", "X"), lambda a: [_fixed(a)] * (2 * _iters(a)), False,
+              lambda u, ctx, s, g, x: CD.powerdp_l_release(u, ctx, x.glob, s[0], g, x.denominator),
+              "PowerDP-L: noise inside the warm-started power iteration (spec 3.2)"),
+    Mechanism("fedlora-delta", "server", ("client",), ("dAB",), lambda a: [_fixed(a)], False,
+              lambda u, ctx, s, g, x: CD.fedlora_delta_release(u, ctx, x.glob, s[0], g, x.denominator),
+              "FedLoRA on (dA, dB, dhead) jointly clipped"),
+    Mechanism("ffa-delta", "server", ("client",), ("dB",), lambda a: [_fixed(a)], False,
+              lambda u, ctx, s, g, x: CD.ffa_delta_release(u, ctx, x.glob, s[0], g, x.denominator),
+              "FFA-LoRA on (dB, dhead)"),
+    Mechanism("input-delta", "server", ("client",), ("dW",), lambda a: [_fixed(a)], False,
+              lambda u, ctx, s, g, x: CD.input_delta_release(u, ctx, x.glob, s[0], g, x.denominator),
+              "input perturbation of B_g A_g + average delta"),
+    # -- DP-SGD inside every silo (fedpower_app.dp_sgd): the server's release is post-processing ---
+    Mechanism("dp-sgd", "silo", ("sample",), ("clipped per-example gradient sum",),
+              lambda a: [dp_sgd_sensitivity(a.clip, a.head_clip)], False, None,
+              "DP-SGD: per-example clip C (head C_h), Gaussian noise sigma * Delta on each step's sum"),
+)}
+
+#: The paper's releases of whole clipped adapters, and the client-level releases of round deltas.
+WHOLE_ADAPTER_MECHANISMS = ("powerdp", "fedlora", "ffa", "input", "output")
+DELTA_MECHANISMS = ("powerdp-l", "fedlora-delta", "ffa-delta", "input-delta")
+
+# -- the round schedule --------------------------------------------------------------------------
+#: Each method's release when it does not refactorize (FedPower refactorizes every F-th round).
+METHOD_RELEASE = {"fedlora": "fedlora", "ffa-lora": "ffa", "input-perturbation": "input",
+                  "output-perturbation": "output"}
+#: Client level: the delta release of each whole-adapter release.
+CLIENT_RELEASE = {"fedlora": "fedlora-delta", "ffa": "ffa-delta", "input": "input-delta", "output": "output"}
+
+
+def round_type(method: str, server_round: int, *, refactor_every: int = 1, level: str = "sample",
+               refactorization: str = "powerdp-l") -> str:
+    """What ``method`` releases in round t (the one schedule the strategy and the accountant use).
+
+    FedPower refactorizes with PowerDP when t % F == 0 (every round for F = 1) and releases as
+    FedLoRA otherwise. At client level every release is the method's delta release, and FedPower
+    refactorizes with ``refactorization`` (PowerDP-L, or the paper's PowerDP as an ablation)."""
+    if method == "fedpower":
+        base = "powerdp" if (refactor_every == 1 or server_round % refactor_every == 0) else "fedlora"
+    elif method in METHOD_RELEASE:
+        base = METHOD_RELEASE[method]
+    else:
+        raise ValueError(f"unknown method {method!r}")
+    if level != "client":
+        return base
+    return refactorization if base == "powerdp" else CLIENT_RELEASE[base]
+
+
+def get(name: str) -> Mechanism:
+    try:
+        return MECHANISMS[name]
+    except KeyError:
+        raise ValueError(f"unknown round type {name!r}; valid choices: {list(MECHANISMS)}") from None
+
+
+# -- the server's round step (the strategy and the benchmarks both call this) ----------------------
+LORA_A, LORA_B = ".lora_A.weight", ".lora_B.weight"
+
+
+def apply_release(global_state: dict, release) -> None:
+    """Write a release into the global adapters (float32, CPU): new A and B, head deltas added."""
+    import torch
+
+    for name, A in release.A.items():
+        global_state[name + LORA_A] = A.detach().to("cpu", torch.float32)
+    for name, B in release.B.items():
+        global_state[name + LORA_B] = B.detach().to("cpu", torch.float32)
+    for key, delta in release.extra_delta.items():
+        global_state[key] = global_state[key] + delta.detach().to("cpu", torch.float32)
+
+
+def release_round(round_type: str, updates: list, *, ctx, privacy, noise, server_round: int, global_state: dict,
+                  num_sampled: int, extra: ReleaseArgs | None = None):
+    """One round's release: the privacy layer's noise stds for this round type and k, the
+    mechanism's release drawn from the round's generator, applied to ``global_state``, and the
+    release recorded in the ledger (it always counts, even if sampled silos dropped out).
+    Returns (release, stds)."""
+    stds = privacy.noise_stds(round_type, len(updates))
+    gen = noise.generator("release", server_round, device=ctx.device)
+    release = get(round_type).release(updates, ctx, stds, gen, extra or ReleaseArgs())
+    apply_release(global_state, release)
+    privacy.record(round_type, server_round, num_sampled, len(updates))
+    return release, stds
