@@ -121,7 +121,10 @@ def make_plan(overrides: dict[str, Any], *, runs: int, pool: int, population: in
         raise AuditError(str(exc)) from None
     if cfg["task.train-rows"]:
         raise AuditError("task.train-rows is set by the audit itself; remove it from the preset/--set")
-    task = load_task(cfg)
+    try:
+        task = load_task(cfg)
+    except (OSError, ValueError) as exc:
+        raise AuditError(f"task data: {exc}") from None
     n = len(task.train)
     need = pool + population + canaries + background
     if need > n:

@@ -178,6 +178,8 @@ def test_resume_refuses_another_audit(tmp_path, capsys):
     rc = MA.main(["--out", str(tmp_path / "b"), "--set", "seed=4"])
     assert rc == 2 and "set per run by the audit" in capsys.readouterr().err
     assert MA.main(["--out", str(tmp_path / "nothing"), "--report-only"]) == 2
+    rc = MA.main(["--out", str(tmp_path / "c"), "--set", 'task.name="sst2"', "--data-dir", str(tmp_path / "no-glue")])
+    assert rc == 2 and "task data: GLUE data directory does not exist" in capsys.readouterr().err
 
 
 @pytest.mark.slow
