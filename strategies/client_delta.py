@@ -57,6 +57,12 @@ def _weights(sq: torch.Tensor, clip: float, denominator: float):
     return sq.sqrt(), scales, scales / float(denominator)
 
 
+def _clipped_delta_weights(updates, ctx, glob, denominator):
+    """(pre-clip norms, clip scales, weights scale_i / denominator) of the silos' whole changes."""
+    sq = product_delta_sq_norms(updates, ctx.groups, glob, ctx.device) if updates else torch.zeros(0, dtype=torch.float64)
+    return _weights(sq, ctx.clip, denominator)
+
+
 def _group_new_w_factors(updates, g, glob, w, device, dtype):
     """Factors of W = B_g A_g + sum_i w_i (B_i A_i - B_g A_g) = sum_i w_i B_i A_i + (1 - sum w) B_g A_g."""
     A_g = torch.stack([glob[0][n] for n in g.names]).to(device, dtype)
@@ -84,8 +90,7 @@ def powerdp_l_release(updates, ctx: ReleaseContext, glob: GlobalFactors, noise_s
     """FedPower at client level: clip each silo's dW_i (and head change), average over the fixed m,
     add the public B_g A_g back (factored), refactorize with PowerDP-L warm-started from A_g."""
     k = len(updates)
-    sq = product_delta_sq_norms(updates, ctx.groups, glob, ctx.device) if k else torch.zeros(0, dtype=torch.float64)
-    norms, scales, w = _weights(sq, ctx.clip, denominator)
+    norms, scales, w = _clipped_delta_weights(updates, ctx, glob, denominator)
     out = Release()
     for g in ctx.groups:
         Bs, As, A_g = _group_new_w_factors(updates, g, glob, w, ctx.device, ctx.dtype)
@@ -102,8 +107,7 @@ def input_delta_release(updates, ctx: ReleaseContext, glob: GlobalFactors, noise
     """Input perturbation at client level: noise on the full-rank W = B_g A_g + average delta (the
     public part changes nothing), then non-private power iteration."""
     k = len(updates)
-    sq = product_delta_sq_norms(updates, ctx.groups, glob, ctx.device) if k else torch.zeros(0, dtype=torch.float64)
-    norms, scales, w = _weights(sq, ctx.clip, denominator)
+    norms, scales, w = _clipped_delta_weights(updates, ctx, glob, denominator)
     out = Release()
     for g in ctx.groups:
         Bs, As, _ = _group_new_w_factors(updates, g, glob, w, ctx.device, ctx.dtype)
@@ -120,8 +124,7 @@ def _noisy_delta_then_refactor(updates, ctx, glob, generator, release_fn):
     has norm <= C, which their diameter sensitivities need), then B_g A_g + B~ A~ refactorized to
     rank r without noise (post-processing of public and released factors)."""
     k = len(updates)
-    sq = product_delta_sq_norms(updates, ctx.groups, glob, ctx.device) if k else torch.zeros(0, dtype=torch.float64)
-    norms, scales, w = _weights(sq, ctx.clip, max(k, 1))
+    norms, scales, w = _clipped_delta_weights(updates, ctx, glob, max(k, 1))
     out = Release()
     for g in ctx.groups:
         A_g = torch.stack([glob[0][n] for n in g.names]).to(ctx.device, ctx.dtype)

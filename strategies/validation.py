@@ -21,17 +21,21 @@ HEADER_ALLOWANCE = 4096
 _DTYPE_NAMES = {"float32": 4, "float64": 8}
 
 
+def _check_keys(got, expected) -> None:
+    missing = sorted(set(expected) - set(got))
+    if missing:
+        raise InvalidReply(f"missing {len(missing)} key(s), e.g. {missing[0]!r}")
+    unexpected = sorted(set(got) - set(expected))
+    if unexpected:
+        raise InvalidReply(f"{len(unexpected)} unexpected key(s), e.g. {unexpected[0]!r}")
+
+
 def check_declared_arrays(declared: dict[str, tuple[str, tuple[int, ...], int]],
                           expected: dict[str, tuple[int, ...]]) -> None:
     """Check a reply from its metadata only, before any tensor is decoded or allocated: the keys,
     each array's declared dtype and shape, and its serialized size against the most a float64
     array of the expected shape can need. ``declared`` maps key -> (dtype name, shape, bytes)."""
-    missing = sorted(set(expected) - set(declared))
-    if missing:
-        raise InvalidReply(f"missing {len(missing)} key(s), e.g. {missing[0]!r}")
-    unexpected = sorted(set(declared) - set(expected))
-    if unexpected:
-        raise InvalidReply(f"{len(unexpected)} unexpected key(s), e.g. {unexpected[0]!r}")
+    _check_keys(declared, expected)
     for key, shape in expected.items():
         dtype, got_shape, nbytes = declared[key]
         if str(dtype) not in _DTYPE_NAMES:
@@ -45,12 +49,7 @@ def check_declared_arrays(declared: dict[str, tuple[str, tuple[int, ...], int]],
 
 def validate_tensors(tensors: dict[str, torch.Tensor], expected: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
     """Check keys, shapes, dtypes and finiteness; return float32 copies or raise InvalidReply."""
-    missing = sorted(set(expected) - set(tensors))
-    if missing:
-        raise InvalidReply(f"missing {len(missing)} key(s), e.g. {missing[0]!r}")
-    unexpected = sorted(set(tensors) - set(expected))
-    if unexpected:
-        raise InvalidReply(f"{len(unexpected)} unexpected key(s), e.g. {unexpected[0]!r}")
+    _check_keys(tensors, expected)
     out = {}
     for key, shape in expected.items():
         t = tensors[key]
