@@ -83,6 +83,7 @@ METHOD_LABELS = {
     "fedpower": "FedPower",
     "input-perturbation": "Input perturbation",
     "output-perturbation": "Output perturbation",
+    "fedpower-powerdp": "FedPower (paper's PowerDP)",
 }
 TASK_LABELS = {"sst2": "SST-2", "qnli": "QNLI", "mnli": "MNLI", "qqp": "QQP", "synthetic": "synthetic"}
 SPLIT_LABELS = {"validation_matched": "m", "validation_mismatched": "mm"}
@@ -98,13 +99,18 @@ class GridError(ValueError):
 # ------------------------------------------------------------------------------------------------
 
 def method_overrides(method: str) -> dict[str, Any]:
-    """Run-config overrides of a method name (strategy name or fedpower-F<n>)."""
+    """Run-config overrides of a method name (strategy name, fedpower-F<n>, or fedpower-powerdp:
+    FedPower refactorizing with the paper's PowerDP at client level instead of PowerDP-L)."""
     if method in STRATEGIES:
         return {"strategy.name": method, "strategy.refactor-every": 1}
+    if method == "fedpower-powerdp":
+        return {"strategy.name": "fedpower", "strategy.refactor-every": 1,
+                "strategy.client-refactorization": "powerdp"}
     m = _F_RE.match(method)
     if m:
         return {"strategy.name": "fedpower", "strategy.refactor-every": int(m.group(1))}
-    raise GridError(f"unknown method {method!r}: use one of {', '.join(STRATEGIES)} or fedpower-F<n> (n >= 1)")
+    raise GridError(f"unknown method {method!r}: use one of {', '.join(STRATEGIES)}, fedpower-F<n> (n >= 1) or "
+                    "fedpower-powerdp")
 
 
 def canonical_method(method: str) -> str:
