@@ -697,12 +697,14 @@ def _start_fedpower_run(tmp_path, home, *extra):
 
 @pytest.mark.slow
 def test_failed_run_reports_the_error_once_and_leaves_nothing(tmp_path):
-    """A run that fails in the ServerApp (the GLUE folder exists but holds no task): exit 1, the
-    traceback once, one closing error line, and no process left."""
-    empty = tmp_path / "glue"
-    empty.mkdir()
+    """A run that fails inside the ServerApp, past every launcher check: it resumes a run directory
+    whose checkpoint is damaged (only the ServerApp opens checkpoints). Exit 1, the traceback once,
+    one closing error line, and no process left."""
+    run_dir = tmp_path / "out" / "damaged"
+    run_dir.mkdir(parents=True)
+    (run_dir / "checkpoint.pt").write_bytes(b"not a checkpoint")
     home = tmp_path / "flwr-home"
-    proc = _start_fedpower_run(tmp_path, home, "--set", 'task.name="sst2"', "--set", f'task.data-dir="{empty}"',
+    proc = _start_fedpower_run(tmp_path, home, "--set", 'run-name="damaged"', "--set", "resume=true",
                                "--set", "num-server-rounds=1")
     descendants: set[int] = set()
     output = []
@@ -713,9 +715,10 @@ def test_failed_run_reports_the_error_once_and_leaves_nothing(tmp_path):
     text = L.ANSI_RE.sub("", "".join(output))
     assert proc.returncode == 1, text[-3000:]
     assert text.count("Traceback (most recent call last):") == 1, text
-    assert text.count("FileNotFoundError: ") == 2, text  # the traceback's last line and the closing line
+    assert text.count("CheckpointError: ") == 2, text  # the traceback's last line and the closing line
+    assert "bad header" in text
     last = text.strip().splitlines()[-1]
-    assert last.startswith("fedpower-run: error: run ") and "finished:failed" in last and "FileNotFoundError" in last
+    assert last.startswith("fedpower-run: error: run ") and "finished:failed" in last and "CheckpointError" in last
     assert _wait_gone(descendants, timeout=30) == [] and _processes_tied_to(home) == []
 
 
