@@ -182,6 +182,11 @@ def test_tls_and_supernode_authentication(tmp_path):
             fh.close()
 
 
+# Long enough that a healthy silo's round finishes within it on a loaded 2-core machine (CI ran this
+# beside other work: with 30 s the last round once timed out for both silos and aggregated nothing).
+ROUND_TIMEOUT = 60.0
+
+
 def test_a_killed_supernode_is_waited_for_only_until_the_timeout_and_rejoins(tmp_path):
     """A real deployment (insecure, 2 SuperNodes, 5 rounds): SuperNode 1 is SIGKILLed while round 2
     is in flight; round 2 completes with one reply after the round timeout and the dropout is
@@ -209,7 +214,7 @@ def test_a_killed_supernode_is_waited_for_only_until_the_timeout_and_rejoins(tmp
         out = tmp_path / "outputs"
         overrides = run_config_arg({**load_preset(PROJECT_ROOT / "conf" / "tiny.toml"), "output-dir": str(out),
                                     "run-name": "faults", "num-server-rounds": 5, "strategy.client-rate": 1.0,
-                                    "strategy.min-nodes": 2, "strategy.round-timeout": 30.0,
+                                    "strategy.min-nodes": 2, "strategy.round-timeout": ROUND_TIMEOUT,
                                     "dp.noise-at": "silo"})
         run = subprocess.Popen([str(BIN / "flwr"), "run", str(PROJECT_ROOT), "deploy", "--stream", "--run-config", overrides],
                                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -233,10 +238,12 @@ def test_a_killed_supernode_is_waited_for_only_until_the_timeout_and_rejoins(tmp
         assert data["status"] == "completed", output[-3000:]
         assert [r["server_round"] for r in rows] == [1, 2, 3, 4, 5]
         assert rows[1]["aggregated"] == 1 and len(rows[1]["missing"]) == 1  # waited, then went on
-        assert rows[1]["wall_seconds"] - rows[0]["wall_seconds"] < 30 + 60  # the timeout, not forever
+        assert rows[1]["wall_seconds"] - rows[0]["wall_seconds"] < ROUND_TIMEOUT + 60  # the timeout, not forever
         admitted = [e for e in data.get("roster_events", []) if e["admitted"]]
         assert admitted and admitted[0]["silo"] == 1, data.get("roster_events")
-        assert rows[-1]["aggregated"] == 2  # the restarted silo trains again
+        summary = [{k: r.get(k) for k in ("server_round", "sampled", "replied", "aggregated", "dropped", "missing",
+                                          "wall_seconds")} for r in rows]
+        assert rows[-1]["aggregated"] == 2, (summary, data.get("roster_events"))  # the restarted silo trains again
         assert data["totals"]["missing_replies"] >= 1
     finally:
         for p in procs:
