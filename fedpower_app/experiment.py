@@ -3,7 +3,8 @@
 Every cell of the grid is one ``flwr run`` of this app (Flower simulation, managed local SuperLink),
 with a deterministic run name and output directory ``<out>/cells/<cell-id>/``. A cell is finished
 when its ``results.json`` says ``completed`` (or ``stopped-budget``); re-running the same command
-resumes a half-finished grid: finished cells are skipped, failed or interrupted cells are run again
+resumes a half-finished grid: finished cells are skipped, an interrupted cell continues from its
+last per-round checkpoint (same overrides; its privacy ledger included), failed cells are run again
 and reported. After the runs, the results of all finished cells are aggregated (mean +- std over
 seeds) into
 
@@ -403,13 +404,19 @@ def run_cell(spec: GridSpec, cell: Cell, out: Path, *, flwr_home: Path, port: in
     from .launcher import run_flwr
 
     cell_dir = out / "cells" / cell.cell_id
-    if cell_dir.exists():  # an interrupted or failed earlier attempt: start clean
-        shutil.rmtree(cell_dir)
-    cell_dir.mkdir(parents=True)
     overrides = cell_overrides(spec, cell, out)
+    resume_from = resumable_round(cell_dir, overrides)
+    if resume_from is None and cell_dir.exists():  # a failed attempt, or one without a usable checkpoint
+        shutil.rmtree(cell_dir)
+    cell_dir.mkdir(parents=True, exist_ok=True)
     entry: dict[str, Any] = {"task": cell.task, "method": cell.method,
                              "epsilon": "none" if cell.epsilon is None else cell.epsilon, "seed": cell.seed,
                              "overrides": overrides, "started_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    if resume_from is not None:
+        # An interrupted attempt of this very cell left a per-round checkpoint: continue it (the
+        # ServerApp checks the checkpoint against the config and refuses a damaged or foreign one).
+        entry["resumed_after_round"] = resume_from
+        overrides = {**overrides, "resume": True}
     _write_json(cell_dir / "cell.json", entry)
     watchdog = _Watchdog(timeout) if timeout else None
     try:
@@ -426,6 +433,11 @@ def run_cell(spec: GridSpec, cell: Cell, out: Path, *, flwr_home: Path, port: in
     if watchdog and watchdog.fired:
         entry["flwr_status"] = f"{entry.get('flwr_status')} (timed out after {timeout:.0f} s)"
     status = cell_status(out, cell)
+    if resume_from is not None and status not in FINISHED and "CheckpointError" in output:
+        # The checkpoint could not be used after all: run the cell again from round 1, once.
+        shutil.rmtree(cell_dir, ignore_errors=True)
+        return run_cell(spec, cell, out, flwr_home=flwr_home, port=port, echo=echo, timeout=timeout,
+                        keep_adapters=keep_adapters)
     if status not in FINISHED and entry.get("run_id") and not str(entry["flwr_status"]).startswith("finished"):
         _stop_run(entry["run_id"], flwr_home, port)  # e.g. after --cell-timeout: do not leave it running
     entry["status"] = status
@@ -440,6 +452,23 @@ def run_cell(spec: GridSpec, cell: Cell, out: Path, *, flwr_home: Path, port: in
             (cell_dir / "checkpoint.pt").unlink(missing_ok=True)
     _write_json(cell_dir / "cell.json", entry)
     return entry
+
+
+def resumable_round(cell_dir: Path, overrides: dict[str, Any]) -> int | None:
+    """The last checkpointed round of an interrupted attempt of this cell with the same run
+    config, or None (no attempt, no checkpoint, a failed or finished attempt, or other overrides)."""
+    from .checkpoint import CHECKPOINT_FILE
+
+    if not (cell_dir / CHECKPOINT_FILE).exists():
+        return None
+    try:
+        earlier = json.loads((cell_dir / "cell.json").read_text())
+    except (OSError, ValueError):
+        return None
+    data = read_results(cell_dir / "results.json") or {}
+    if earlier.get("overrides") != overrides or data.get("status") != "running" or not data.get("rounds"):
+        return None
+    return int(data["rounds"][-1]["server_round"])
 
 
 class _Watchdog:
@@ -554,7 +583,9 @@ def run_grid(spec: GridSpec, out: Path, *, flwr_home: Path | None = None, port: 
     durations: list[float] = []
     try:
         for i, cell in enumerate(todo, 1):
-            log(f"[cell {i}/{len(todo)}] {cell.cell_id}: running ({cell.describe()})")
+            resume_from = resumable_round(out / "cells" / cell.cell_id, cell_overrides(spec, cell, out))
+            how = f", resuming after round {resume_from} from its checkpoint" if resume_from is not None else ""
+            log(f"[cell {i}/{len(todo)}] {cell.cell_id}: running ({cell.describe()}{how})")
             t0 = time.time()
             entry = run_cell(spec, cell, out, flwr_home=flwr_home, port=port, echo=echo, timeout=timeout,
                              keep_adapters=keep_adapters)

@@ -280,6 +280,75 @@ def test_flwr_home_never_inside_the_app(tmp_path):
         X.run_grid(tiny_spec(), tmp_path, flwr_home=PROJECT_ROOT / "flwr-home", log=lambda *_: None)
 
 
+def _interrupted_cell(out: Path, spec: X.GridSpec, cell: X.Cell, *, overrides=None) -> Path:
+    """What a killed attempt leaves: cell.json with its overrides, results.json 'running' after
+    two rounds, and the per-round checkpoint."""
+    cell_dir = out / "cells" / cell.cell_id
+    write_cell(out, cell, fake_results([0.55, 0.6], status="running"))
+    ov = X.cell_overrides(spec, cell, out) if overrides is None else overrides
+    (cell_dir / "cell.json").write_text(json.dumps({"overrides": ov}))
+    (cell_dir / "checkpoint.pt").write_bytes(b"checkpoint of round 2")
+    return cell_dir
+
+
+def _fake_run_flwr(out, cell, calls, outputs):
+    from types import SimpleNamespace
+
+    def run_flwr(root, overrides, **kw):
+        cell_dir = out / "cells" / cell.cell_id
+        calls.append({"resume": overrides.get("resume", False),
+                      "checkpoint": (cell_dir / "checkpoint.pt").exists()})
+        output = outputs.pop(0)
+        status = "failed" if "Error" in output else "completed"
+        write_cell(out, cell, fake_results([0.55, 0.6, 0.7], status=status))
+        return SimpleNamespace(run_id=7, status=f"finished:{status}", seconds=1.0, output=output)
+    return run_flwr
+
+
+def test_interrupted_cell_resumes_from_its_checkpoint(tmp_path, monkeypatch):
+    import fedpower_app.launcher as L
+
+    spec = tiny_spec()
+    cell = spec.cells()[0]
+    _interrupted_cell(tmp_path, spec, cell)
+    calls = []
+    monkeypatch.setattr(L, "run_flwr", _fake_run_flwr(tmp_path, cell, calls, [""]))
+    monkeypatch.setattr(X, "_stop_run", lambda *a, **k: None)
+    entry = X.run_cell(spec, cell, tmp_path, flwr_home=tmp_path / "home", port=1, echo=False, timeout=None,
+                       keep_adapters=False)
+    assert calls == [{"resume": True, "checkpoint": True}]  # the checkpoint was kept and resumed
+    assert entry["status"] == "completed" and entry["resumed_after_round"] == 2
+    assert "resume" not in entry["overrides"]  # the cell's identity is unchanged
+    assert not (tmp_path / "cells" / cell.cell_id / "checkpoint.pt").exists()  # finished: dropped
+
+
+def test_interrupted_cell_with_other_overrides_or_a_bad_checkpoint_starts_over(tmp_path, monkeypatch):
+    import fedpower_app.launcher as L
+
+    spec = tiny_spec()
+    cell = spec.cells()[0]
+    monkeypatch.setattr(X, "_stop_run", lambda *a, **k: None)
+    # another configuration (the grid file changed since): never resumed
+    _interrupted_cell(tmp_path, spec, cell, overrides={**X.cell_overrides(spec, cell, tmp_path), "train.lr": 9.0})
+    calls = []
+    monkeypatch.setattr(L, "run_flwr", _fake_run_flwr(tmp_path, cell, calls, [""]))
+    X.run_cell(spec, cell, tmp_path, flwr_home=tmp_path / "home", port=1, echo=False, timeout=None,
+               keep_adapters=False)
+    assert calls == [{"resume": False, "checkpoint": False}]
+    # the ServerApp refuses the checkpoint (damaged): the cell runs again from round 1, once
+    _interrupted_cell(tmp_path, spec, cell)
+    calls = []
+    monkeypatch.setattr(L, "run_flwr", _fake_run_flwr(tmp_path, cell, calls, ["CheckpointError: bad header", ""]))
+    entry = X.run_cell(spec, cell, tmp_path, flwr_home=tmp_path / "home", port=1, echo=False, timeout=None,
+                       keep_adapters=False)
+    assert calls == [{"resume": True, "checkpoint": True}, {"resume": False, "checkpoint": False}]
+    assert entry["status"] == "completed" and "resumed_after_round" not in entry
+    # a failed (not interrupted) attempt is never resumed
+    write_cell(tmp_path, cell, fake_results([0.55], status="failed"))
+    (tmp_path / "cells" / cell.cell_id / "checkpoint.pt").write_bytes(b"x")
+    assert X.resumable_round(tmp_path / "cells" / cell.cell_id, X.cell_overrides(spec, cell, tmp_path)) is None
+
+
 def test_cell_timeout_stops_a_hung_run(tmp_path, monkeypatch):
     """A `flwr run` that hangs without output is terminated by the watchdog; the cell is reported failed."""
     import sys
