@@ -30,7 +30,8 @@ import torch
 
 from .data import TokenizedSplit
 from .model import is_head_parameter
-from .training import PHYSICAL_BATCH_SIZE, TrainStats, _autocast, _seeded_dropout, batch_indices, local_optimizer
+from .training import (PHYSICAL_BATCH_SIZE, TrainStats, _autocast, _seeded_dropout, batch_indices, local_optimizer,
+                       physical_chunks)
 
 
 def clipped_sensitivity(clip: float, head_clip: float = 0.0) -> float:
@@ -181,7 +182,7 @@ def dp_sgd_train_local(model, data: TokenizedSplit, *, params: DPSGDParams, lr: 
                     # One logical (Poisson) batch in physical chunks: every chunk but the last only
                     # clips and accumulates (Opacus' skip-step), the last adds the noise once and
                     # steps. Same result as one pass; peak memory set by the chunk, not by b.
-                    chunks = idx.split(physical_batch_size)
+                    chunks = physical_chunks(data, idx, physical_batch_size)
                     batch_loss = 0.0
                     for i, chunk in enumerate(chunks):
                         batch = data.batch(chunk, device)

@@ -244,6 +244,25 @@ def test_physical_chunks_give_the_same_step_as_one_pass(tiny_model_dir):
     assert not torch.allclose(after(1000, 0.0)[0], after(1000, 0.5)[0])  # the noise is really there
 
 
+def test_physical_chunks_cover_the_batch_once_shortest_rows_first(tiny_model_dir):
+    # Padding is per chunk, so the chunks are length-sorted; they must still hold every sampled
+    # example exactly once (duplicates or drops would change the DP-SGD sum and its sensitivity).
+    from fedpower_app.training import physical_chunks
+
+    _, _, shard = tiny(tiny_model_dir)
+    lengths = shard.attention_mask.sum(dim=1)
+    assert len(set(lengths.tolist())) > 1  # the test needs rows of different lengths
+    idx = torch.randperm(len(shard), generator=torch.Generator().manual_seed(0))[:50]
+    chunks = physical_chunks(shard, idx, 8)
+    assert [len(c) for c in chunks] == [8] * 6 + [2]
+    assert sorted(torch.cat(chunks).tolist()) == sorted(idx.tolist())
+    flat = lengths[torch.cat(chunks)]
+    assert torch.all(flat[1:] >= flat[:-1])
+    padded = sum(int(lengths[c].max()) * len(c) for c in chunks)
+    assert padded <= sum(int(lengths[c].max()) * len(c) for c in idx.split(8))
+    assert [c.tolist() for c in physical_chunks(shard, idx[:8], 8)] == [idx[:8].tolist()]  # one chunk: as sampled
+
+
 def test_seeded_dp_sgd_repeats_and_hardened_differs(tiny_model_dir):
     cfg, model, shard = tiny(tiny_model_dir)
     start = M.adapter_state(model)
