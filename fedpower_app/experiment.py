@@ -373,6 +373,27 @@ def _fmt_seconds(s: float) -> str:
     return f"{h}h{m:02d}m{sec:02d}s" if h else f"{m}m{sec:02d}s"
 
 
+# The code a cell ran: the ServerApp runs from a FAB (no .git inside), so the launcher records it.
+CODE_PATHS = ("fedpower_app", "strategies", "client_app", "server_app", "conf", "pyproject.toml")
+
+
+def code_version(root: Path = PROJECT_ROOT) -> dict[str, Any]:
+    """``{"git_commit": sha, "code_modified": bool}`` of a git checkout (the code paths only, so a
+    grid's own result files do not count); ``None`` values outside git."""
+    import subprocess
+
+    def git(*args: str) -> str | None:
+        try:
+            done = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=20)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    commit = git("rev-parse", "HEAD")
+    status = git("status", "--porcelain", "--untracked-files=no", "--", *CODE_PATHS) if commit else None
+    return {"git_commit": commit, "code_modified": None if status is None else bool(status)}
+
+
 def _write_json(path: Path, payload: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
@@ -411,7 +432,8 @@ def run_cell(spec: GridSpec, cell: Cell, out: Path, *, flwr_home: Path, port: in
     cell_dir.mkdir(parents=True, exist_ok=True)
     entry: dict[str, Any] = {"task": cell.task, "method": cell.method,
                              "epsilon": "none" if cell.epsilon is None else cell.epsilon, "seed": cell.seed,
-                             "overrides": overrides, "started_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+                             "overrides": overrides, "started_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                             "code": code_version()}
     if resume_from is not None:
         # An interrupted attempt of this very cell left a per-round checkpoint: continue it (the
         # ServerApp checks the checkpoint against the config and refuses a damaged or foreign one).

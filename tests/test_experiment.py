@@ -319,7 +319,27 @@ def test_interrupted_cell_resumes_from_its_checkpoint(tmp_path, monkeypatch):
     assert calls == [{"resume": True, "checkpoint": True}]  # the checkpoint was kept and resumed
     assert entry["status"] == "completed" and entry["resumed_after_round"] == 2
     assert "resume" not in entry["overrides"]  # the cell's identity is unchanged
+    assert entry["code"] == X.code_version()  # which code ran the cell (the FAB carries no .git)
     assert not (tmp_path / "cells" / cell.cell_id / "checkpoint.pt").exists()  # finished: dropped
+
+
+def test_code_version_names_the_commit_and_ignores_result_files(tmp_path):
+    import subprocess
+
+    assert X.code_version(tmp_path) == {"git_commit": None, "code_modified": None}  # not a checkout
+    git = lambda *a: subprocess.run(["git", "-C", str(tmp_path), *a], check=True, capture_output=True, text=True)
+    git("init", "-q")
+    (tmp_path / "fedpower_app").mkdir()
+    (tmp_path / "fedpower_app" / "x.py").write_text("a = 1\n")
+    (tmp_path / "results.json").write_text("{}\n")
+    git("add", ".")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "x")
+    head = git("rev-parse", "HEAD").stdout.strip()
+    assert X.code_version(tmp_path) == {"git_commit": head, "code_modified": False}
+    (tmp_path / "results.json").write_text("{\"a\": 1}\n")  # a grid's own output: not code
+    assert X.code_version(tmp_path)["code_modified"] is False
+    (tmp_path / "fedpower_app" / "x.py").write_text("a = 2\n")
+    assert X.code_version(tmp_path) == {"git_commit": head, "code_modified": True}
 
 
 def test_interrupted_cell_with_other_overrides_or_a_bad_checkpoint_starts_over(tmp_path, monkeypatch):
