@@ -70,6 +70,7 @@ import argparse
 import atexit
 import collections
 import hashlib
+import http.client
 import json
 import os
 import re
@@ -429,10 +430,17 @@ _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 def _health(port: int) -> bool:
+    """True once the SuperLink answers 2xx on /health; any other outcome means "not yet".
+
+    The port is in the kernel's ephemeral range, so while nothing listens on it a connect to it
+    can pick the same port as its source and connect to itself (a TCP self-connect). The probe
+    then reads back its own request and http.client raises BadStatusLine, an HTTPException and
+    not an OSError: that was a failed start in CI (2026-11-25). It is just "not listening yet".
+    """
     try:
         with _NO_PROXY.open(f"http://127.0.0.1:{port}/health", timeout=1.0) as resp:
             return 200 <= resp.status < 300
-    except (OSError, urllib.error.URLError, ValueError):
+    except (OSError, urllib.error.URLError, http.client.HTTPException, ValueError):
         return False
 
 

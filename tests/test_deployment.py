@@ -85,6 +85,7 @@ def _start_superlink(env, port, *, creds=None, log=None):
 
 
 def _wait_healthy(port, cafile=None, timeout=60):
+    import http.client
     import ssl
 
     deadline = time.time() + timeout
@@ -94,7 +95,7 @@ def _wait_healthy(port, cafile=None, timeout=60):
         try:
             urllib.request.urlopen(url, timeout=2, context=ctx)
             return
-        except OSError:
+        except (OSError, http.client.HTTPException):  # HTTPException: a TCP self-connect (launcher._health)
             assert time.time() < deadline, "SuperLink did not start"
             time.sleep(0.5)
 

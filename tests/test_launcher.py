@@ -361,6 +361,32 @@ def test_real_superlink_starts_and_stops(tmp_path):
     assert not L._health(link.port)
 
 
+def test_health_probe_that_reads_back_its_own_request_means_not_yet():
+    """A TCP self-connect (the probe's source port equals the SuperLink's port, which is in the
+    ephemeral range and not yet listening) echoes the request back; http.client raises
+    BadStatusLine. CI failed a start on it once: it must read as "not healthy yet", not crash."""
+    import socket
+    import threading
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    port = server.getsockname()[1]
+
+    def echo_once():
+        conn, _ = server.accept()
+        with conn:
+            conn.sendall(conn.recv(4096))  # what a self-connected socket reads: its own bytes
+
+    thread = threading.Thread(target=echo_once, daemon=True)
+    thread.start()
+    try:
+        assert L._health(port) is False
+    finally:
+        thread.join(timeout=5)
+        server.close()
+
+
 def test_a_busy_port_is_never_shared(fake_superlink, tmp_path, monkeypatch, capsys):
     """A requested port someone else holds (e.g. a SuperLink of a concurrent test session): this process
     starts its own SuperLink on a free port instead of talking to theirs; later calls for the same
