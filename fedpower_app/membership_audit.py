@@ -556,8 +556,11 @@ def compare(dirs: Sequence[Path], out_md: Path) -> str:
         if not path.exists():
             raise AuditError(f"{path} not found: run `fedpower-audit --out {d} --report-only` first")
         r = json.loads(path.read_text())
-        reports[f"{r['config'].get('strategy.name', 'fedpower')}, " +
-                ("non-private" if r["claimed_epsilon"] is None else f"ε={r['claimed_epsilon']:.2f}")] = r
+        name = f"{r['config'].get('strategy.name', 'fedpower')}, " + \
+            ("non-private" if r["claimed_epsilon"] is None else f"ε={r['claimed_epsilon']:.2f}")
+        if name in reports:  # two audits of the same setting (e.g. other data): keep both, by directory
+            name = f"{name} ({Path(d).name})"
+        reports[name] = r
     lines = ["| setting | runs | accuracy % | best attack | AUC | TPR@1% FPR % | balanced acc. % | DP ceiling TPR@1% | canary ε̂ (ceiling) |",
              "|---|---|---|---|---|---|---|---|---|"]
     for name, r in reports.items():

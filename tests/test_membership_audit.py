@@ -202,3 +202,22 @@ def test_tiny_audit_end_to_end(tmp_path, capsys):
     # resume: nothing to train
     assert MA.main(argv) == 0
     assert "4 already finished, 0 to run now" in capsys.readouterr().out
+
+
+def test_compare_keeps_two_audits_of_the_same_setting(tmp_path):
+    """Two audits of one setting (e.g. the learning and the memorising SST-2 audits) are two rows;
+    keyed by setting alone, the second silently replaced the first."""
+    attack = {"auc": 0.5, "tpr_at_1pct": 0.01, "tpr_at_1pct_ci": [0.005, 0.02], "balanced_accuracy": 0.5}
+    dirs = []
+    for name, acc in (("learning", 0.71), ("memorising", 0.73)):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "report.json").write_text(json.dumps({
+            "config": {"strategy.name": "fedpower"}, "claimed_epsilon": None, "runs_finished": 3,
+            "accuracy_mean": acc, "attacks": {"loss": attack}, "dp_ceiling": None,
+            "canary_audit": {"epsilon_lower_bound": 0.0, "ceiling": 4.5}}))
+        dirs.append(d)
+    text = MA.compare(dirs, tmp_path / "cmp.md")
+    rows = [line for line in text.splitlines() if line.startswith("| fedpower")]
+    assert len(rows) == 2
+    assert "71.00" in rows[0] and "73.00" in rows[1] and "(memorising)" in rows[1]
