@@ -351,9 +351,10 @@ def _inside(path: Path, root: Path) -> bool:
 
 def default_flwr_home(out: Path) -> Path:
     """A Flower home private to this grid: ``<out>/flwr-home``, or, when ``<out>`` is inside the app
-    directory (e.g. ``results/``), ``~/.cache/fedpower/flwr-home-<hash of out>``, because ``flwr run``
-    packages every .py/.toml/.json/.md file under the app directory (except .gitignore'd ones) and
-    the installed apps in a Flower home nested there would be packaged recursively."""
+    directory (e.g. ``results/``), ``~/.cache/fedpower/flwr-home-<hash of out>``: a Flower home keeps
+    installed apps and state that do not belong in the project tree. (``flwr run`` packs only what
+    pyproject.toml's ``fab-include`` lists; without it, a nested home's installed apps would be
+    packaged recursively.)"""
     out = Path(out).resolve()
     if not _inside(out, PROJECT_ROOT):
         return out / "flwr-home"
