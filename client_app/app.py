@@ -209,7 +209,8 @@ def train(msg: Message, context: Context) -> Message:
     if ledger is not None:
         stats = dp_sgd_train_local(model, shard, params=params, lr=lr,
                                    sampling_generator=streams.sampling, noise_generator=streams.dp_noise,
-                                   secure_noise=noise.hardened, device=device, dropout_seed=streams.dropout_seed)
+                                   secure_noise=noise.hardened, device=device, dropout_seed=streams.dropout_seed,
+                                   optimizer=cfg["train.optimizer"])
         if not already_paid:  # a seeded round re-run after a server restart is the same release
             ledger.record(sample_rate, params.noise_multiplier, params.local_steps)
             if key is not None:
@@ -219,7 +220,7 @@ def train(msg: Message, context: Context) -> Message:
         stats = train_local(
             model, shard, steps=cfg["train.local-steps"], batch_size=cfg["train.batch-size"], lr=lr,
             generator=streams.sampling, poisson=(cfg["dp.level"] == "sample"), device=device,
-            dropout_seed=streams.dropout_seed,
+            dropout_seed=streams.dropout_seed, optimizer=cfg["train.optimizer"],
         )
     content = RecordDict({"arrays": ArrayRecord(_reply_state(model, train_lora))})
     if _sends_metrics(context):

@@ -21,6 +21,7 @@ DEVICES = ("auto", "cpu", "cuda")
 # Where sample-level noise is added: DP-SGD on every silo, or the paper's server-side noise on
 # each silo's whole clipped adapter (a reproduction of the paper).
 LR_SCHEDULES = ("constant", "cosine")
+LOCAL_OPTIMIZERS = ("adam", "sgd")
 NOISE_AT = ("silo", "server")
 
 
@@ -83,6 +84,7 @@ SCHEMA: dict[str, tuple[type, Callable[[Any], str | None] | None]] = {
     "train.batch-size": (int, _min1),
     "train.lr": (float, _pos),
     "train.lr-schedule": (str, _in(LR_SCHEDULES)),
+    "train.optimizer": (str, _in(LOCAL_OPTIMIZERS)),
     "eval.batch-size": (int, _min1),
     "eval.every": (int, _min1),
     "eval.fraction-clients": (float, _unit),

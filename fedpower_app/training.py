@@ -133,26 +133,28 @@ def local_optimizer(params, *, lr: float, kind: str = "adam"):
 
 def train_local(model, data: TokenizedSplit, *, steps: int, batch_size: int, lr: float,
                 generator: torch.Generator, poisson: bool, device: torch.device,
-                dropout_seed: int | None = None, physical_batch_size: int = PHYSICAL_BATCH_SIZE) -> TrainStats:
-    """L steps of mini-batch Adam on the trainable parameters; a fresh optimizer every round.
+                dropout_seed: int | None = None, physical_batch_size: int = PHYSICAL_BATCH_SIZE,
+                optimizer: str = "adam") -> TrainStats:
+    """L steps of mini-batch Adam (or SGD: ``optimizer``) on the trainable parameters; a fresh
+    optimizer every round.
     ``dropout_seed`` makes the dropout masks a function of the seed alone (see ``silo_randomness``)."""
     with _seeded_dropout(dropout_seed, device):
         return _train_steps(model, data, steps=steps, batch_size=batch_size, lr=lr,
                             generator=generator, poisson=poisson, device=device,
-                            physical_batch_size=physical_batch_size)
+                            physical_batch_size=physical_batch_size, optimizer=optimizer)
 
 
 def _train_steps(model, data: TokenizedSplit, *, steps: int, batch_size: int, lr: float,
                  generator: torch.Generator, poisson: bool, device: torch.device,
-                 physical_batch_size: int = PHYSICAL_BATCH_SIZE) -> TrainStats:
+                 physical_batch_size: int = PHYSICAL_BATCH_SIZE, optimizer: str = "adam") -> TrainStats:
     model.train()
-    optimizer = local_optimizer([p for p in model.parameters() if p.requires_grad], lr=lr)
+    opt = local_optimizer([p for p in model.parameters() if p.requires_grad], lr=lr, kind=optimizer)
     total, count, seen, empty = 0.0, 0, 0, 0
     for idx in batch_indices(len(data), batch_size, steps, generator, poisson):
         if len(idx) == 0:
             empty += 1
             continue
-        optimizer.zero_grad(set_to_none=True)
+        opt.zero_grad(set_to_none=True)
         # The batch's mean gradient, accumulated over physical chunks (peak memory set by the chunk).
         batch_loss = 0.0
         for chunk in physical_chunks(data, idx, physical_batch_size):
@@ -162,7 +164,7 @@ def _train_steps(model, data: TokenizedSplit, *, steps: int, batch_size: int, lr
             loss = out.loss.float()
             (loss * (len(chunk) / len(idx))).backward()
             batch_loss += float(loss.detach()) * len(chunk)
-        optimizer.step()
+        opt.step()
         total += batch_loss / len(idx)
         count += 1
         seen += len(idx)

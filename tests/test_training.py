@@ -99,3 +99,26 @@ def test_round_lr_constant_and_cosine():
     assert cos[-1] == pytest.approx(0.02 * 0.5 * (1 + math.cos(math.pi * 7 / 8)))
     with pytest.raises(ValueError):
         round_lr(0.01, "linear", 1, 8)
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adam"])
+def test_local_optimizer_choice_sets_the_step(kind):
+    """train.optimizer = sgd: one full-batch step is exactly -lr * gradient (a client's round delta
+    then follows its gradient); adam's first step is about -lr * sign(gradient)."""
+    from fedpower_app.training import train_local
+
+    split = _Split(n=8)
+    model = _DropoutNet()
+    model.drop.p = 0.0
+    with torch.no_grad():
+        model.lin.weight.fill_(0.1)
+        model.lin.bias.zero_()
+    w0 = model.lin.weight.detach().clone()
+    model.lin.weight.grad = None
+    loss = model(**split.batch(torch.arange(8), "cpu")).loss
+    (grad,) = torch.autograd.grad(loss, [model.lin.weight])
+    train_local(model, split, steps=1, batch_size=8, lr=0.5, generator=torch.Generator().manual_seed(0),
+                poisson=False, device=torch.device("cpu"), optimizer=kind)
+    step = model.lin.weight.detach() - w0
+    expected = -0.5 * grad if kind == "sgd" else -0.5 * torch.sign(grad)
+    assert torch.allclose(step, expected, atol=1e-5 if kind == "sgd" else 1e-3)
