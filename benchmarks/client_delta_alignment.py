@@ -58,11 +58,11 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     import torch
 
-    from benchmarks.inprocess_run import parse_sets
     from fedpower_app.config import load_preset, parse_config
+    from fedpower_app.launcher import parse_set
 
     torch.set_num_threads(a.threads)
-    over = {**load_preset("conf/cross-device-sst2.toml"), "task.data-dir": a.data_dir, **parse_sets(a.set)}
+    over = {**load_preset("conf/cross-device-sst2.toml"), "task.data-dir": a.data_dir, **parse_set(a.set)}
     cfg = parse_config(over)
     for spec in a.variant:
         try:

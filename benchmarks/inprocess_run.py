@@ -21,21 +21,6 @@ import argparse
 import json
 import sys
 import time
-import tomllib
-from pathlib import Path
-
-
-def parse_sets(items: list[str]) -> dict:
-    out = {}
-    for item in items:
-        if "=" not in item:
-            raise SystemExit(f"--set {item!r}: expected KEY=VALUE (a TOML value, strings in quotes)")
-        key, value = item.split("=", 1)
-        try:
-            out[key.strip()] = tomllib.loads(f"x = {value}")["x"]
-        except tomllib.TOMLDecodeError as exc:
-            raise SystemExit(f"--set {item!r}: the value is not TOML ({exc}); quote strings: key='\"text\"'")
-    return out
 
 
 def main(argv=None) -> int:
@@ -55,8 +40,9 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(a.threads)
     from client_app.app import app as client_app
-    from fedpower_app.config import load_preset, parse_config
+    from fedpower_app.config import ConfigError, load_preset, parse_config
     from fedpower_app.inprocess import InProcessGrid
+    from fedpower_app.launcher import parse_set
     from fedpower_app.logging_setup import setup_logging
     from fedpower_app.results import ResultsWriter
     from server_app import app as server
@@ -65,9 +51,12 @@ def main(argv=None) -> int:
     overrides = load_preset(a.preset)
     if a.data_dir:
         overrides["task.data-dir"] = a.data_dir
-    overrides.update(parse_sets(a.set))
-    overrides.update({"output-dir": a.out, "run-name": a.name})
-    cfg = parse_config(overrides)  # fails here, before any training, on a bad key or value
+    try:
+        overrides.update(parse_set(a.set))
+        overrides.update({"output-dir": a.out, "run-name": a.name})
+        cfg = parse_config(overrides)  # fails here, before any training, on a bad key or value
+    except ConfigError as exc:
+        raise SystemExit(f"inprocess_run: {exc}") from None
     run_dir = server.run_directory(cfg)
     t0 = time.perf_counter()
     server._run(InProcessGrid(client_app, a.clients, cfg.to_dict()), cfg, run_dir,

@@ -8,9 +8,9 @@ from benchmarks import inprocess_run
 
 
 def test_bad_set_value_fails_before_anything_runs(tmp_path):
-    with pytest.raises(SystemExit, match="not TOML"):
+    with pytest.raises(SystemExit, match="dp.epsilon"):
         inprocess_run.main(["--preset", "conf/tiny.toml", "--clients", "4", "--name", "x", "--out", str(tmp_path),
-                            "--set", "strategy.name=fedlora"])
+                            "--set", "dp.epsilon=lots"])
     assert not any(tmp_path.iterdir())
 
 
