@@ -33,6 +33,10 @@ Examples:
       --preset conf/cpu-sst2.toml --data-dir /data/glue --out results/custom
   fedpower-experiment --out results/custom --report-only
 
+  # client-level DP with 1,000 virtual clients on the in-process grid (one model, one child process
+  # per cell; a cell's log is cells/<id>/run.log), 2 torch threads
+  fedpower-experiment --grid conf/grids/cross-device-sst2.toml --data-dir /work/shared/glue/SST-2
+
 Methods are strategy names (fedpower, fedlora, ffa-lora, input-perturbation, output-perturbation)
 or fedpower-F<n> (FedPower with PowerDP every n-th round, FedLoRA releases otherwise). Epsilons are
 positive numbers (dp.epsilon at the preset's dp.level, sample by default) or "none" (dp.level = none,
@@ -61,6 +65,8 @@ from .config import PROJECT_ROOT, STRATEGIES, TASKS, ConfigError, load_preset, p
 
 FINISHED = ("completed", "stopped-budget")
 FORMAT = "fedpower-experiment/1"
+# How a cell runs: a `flwr run` Ray simulation, or the in-process grid (fedpower_app.inprocess_run).
+BACKENDS = ("flwr", "inprocess")
 
 # The standard grids of the paper's tables (methods; default epsilons).
 TABLE_METHODS: dict[str, list[str]] = {
@@ -195,6 +201,8 @@ class GridSpec:
     data_dir: str | None = None
     nonprivate_lr: float | None = None
     supernodes: int = 6
+    backend: str = "flwr"  # one of BACKENDS
+    threads: int | None = None  # torch threads of an in-process cell (None: torch's default)
 
     def blocks(self) -> list[tuple[str, list[str], list[float | None]]]:
         out = [(t, m, e) for t, (m, e) in sorted(self.tables.items())]
@@ -229,6 +237,8 @@ class GridSpec:
             "data_dir": self.data_dir,
             "nonprivate_lr": self.nonprivate_lr,
             "supernodes": self.supernodes,
+            "backend": self.backend,
+            "threads": self.threads,
         }
 
     @classmethod
@@ -239,7 +249,8 @@ class GridSpec:
         return cls(tasks=list(d["tasks"]), seeds=[int(s) for s in d["seeds"]], tables=tables,
                    custom=None if not custom else (list(custom["methods"]), [parse_epsilon(e) for e in custom["epsilons"]]),
                    preset=d.get("preset"), overrides=dict(d.get("overrides") or {}), data_dir=d.get("data_dir"),
-                   nonprivate_lr=d.get("nonprivate_lr"), supernodes=int(d.get("supernodes", 6)))
+                   nonprivate_lr=d.get("nonprivate_lr"), supernodes=int(d.get("supernodes", 6)),
+                   backend=str(d.get("backend", "flwr")), threads=d.get("threads"))
 
 
 def _resolve_path(path: str, base: Path) -> str:
@@ -305,6 +316,12 @@ def validate(spec: GridSpec, out: Path) -> list[Cell]:
                 raise GridError(f"preset {p} not found")
     if spec.supernodes < 1:
         raise GridError("--supernodes must be >= 1")
+    if spec.backend not in BACKENDS:
+        raise GridError(f"unknown backend {spec.backend!r}: use one of {', '.join(BACKENDS)}")
+    if spec.backend == "inprocess" and spec.supernodes < 2:
+        raise GridError("the inprocess backend needs --supernodes >= 2 (the number of virtual clients)")
+    if spec.threads is not None and spec.threads < 1:
+        raise GridError("--threads must be >= 1")
     cells = spec.cells()
     for cell in cells:
         try:
@@ -403,16 +420,58 @@ def _write_json(path: Path, payload: Any) -> None:
 
 
 class Manifest:
-    """``<out>/manifest.json``: grid, cells (status, overrides, seconds, attempts), invocations."""
+    """``<out>/manifest.json``: grid, cells (status, overrides, seconds, attempts), invocations.
+
+    Several in-process workers may share one grid (``--backend inprocess``, e.g. two at 1 thread
+    on 2 cores). So ``save`` merges under a file lock: this process's own cell entries (``ran``) and
+    its invocation, the other processes' entries as they are on disk, every status fresh from the
+    cells' results.json."""
 
     def __init__(self, out: Path) -> None:
+        self.out = out
         self.path = out / "manifest.json"
         self.data: dict[str, Any] = read_results(self.path) or {"format": FORMAT, "cells": {}, "invocations": []}
         self.data.setdefault("cells", {})
         self.data.setdefault("invocations", [])
+        self.ran: set[str] = set()  # cell ids whose whole entry this process wrote
+        self.invocation_id = f"{os.getpid()}-{time.time():.6f}"
 
-    def save(self) -> None:
-        _write_json(self.path, self.data)
+    def save(self, cells: Sequence["Cell"] = ()) -> None:
+        import fcntl
+
+        with open(self.out / ".manifest.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            disk = read_results(self.path) or {}
+            merged_cells = dict(disk.get("cells") or {})
+            for cid, entry in self.data["cells"].items():
+                if cid in self.ran or cid not in merged_cells:
+                    merged_cells[cid] = entry
+            for c in cells:
+                merged_cells.setdefault(c.cell_id, {})["status"] = cell_status(self.out, c)
+            mine = [inv for inv in self.data["invocations"] if inv.get("id") == self.invocation_id]
+            invocations = [inv for inv in (disk.get("invocations") or []) if inv.get("id") != self.invocation_id]
+            self.data = {**disk, **{k: v for k, v in self.data.items() if k not in ("cells", "invocations")},
+                         "cells": merged_cells, "invocations": invocations + mine}
+            _write_json(self.path, self.data)
+
+
+class GridBusy(GridError):
+    """The grid (or a cell) is held by another fedpower-experiment process."""
+
+
+def _try_lock(path: Path, *, shared: bool = False):
+    """An open file holding a non-blocking flock on ``path`` (released when the process exits or the
+    file is closed), or None when another process holds it."""
+    import fcntl
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fh = open(path, "a+")
+    try:
+        fcntl.flock(fh, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+    except BlockingIOError:
+        fh.close()
+        return None
+    return fh
 
 
 def _flwr_log_excerpt(output: str, ok: bool) -> str:
@@ -441,6 +500,9 @@ def run_cell(spec: GridSpec, cell: Cell, out: Path, *, flwr_home: Path, port: in
         entry["resumed_after_round"] = resume_from
         overrides = {**overrides, "resume": True}
     _write_json(cell_dir / "cell.json", entry)
+    if spec.backend == "inprocess":
+        return _finish_inprocess_cell(spec, cell, out, cell_dir, overrides, entry, resume_from, timeout=timeout,
+                                      echo=echo, keep_adapters=keep_adapters)
     watchdog = _Watchdog(timeout) if timeout else None
     try:
         outcome = run_flwr(PROJECT_ROOT, overrides, num_supernodes=spec.supernodes, flwr_home=flwr_home,
@@ -475,6 +537,87 @@ def run_cell(spec: GridSpec, cell: Cell, out: Path, *, flwr_home: Path, port: in
             (cell_dir / "checkpoint.pt").unlink(missing_ok=True)
     _write_json(cell_dir / "cell.json", entry)
     return entry
+
+
+def _finish_inprocess_cell(spec: GridSpec, cell: Cell, out: Path, cell_dir: Path, overrides: dict[str, Any],
+                           entry: dict[str, Any], resume_from: int | None, *, timeout: float | None, echo: bool,
+                           keep_adapters: bool) -> dict[str, Any]:
+    """Run one cell on the in-process grid (``fedpower_app.inprocess_run``) in a child process:
+    ``spec.supernodes`` virtual clients, one model. The child process keeps a crash or a timeout
+    from taking the grid down, and frees the model's memory between cells."""
+    import subprocess
+
+    config_file = cell_dir / "run-config.json"
+    _write_json(config_file, overrides)
+    cmd = [sys.executable, "-m", "fedpower_app.inprocess_run", "--config-json", str(config_file),
+           "--clients", str(spec.supernodes)]
+    if spec.threads:
+        cmd += ["--threads", str(spec.threads)]
+    log_path = cell_dir / "run.log"
+    t0 = time.time()
+    with open(log_path, "w") as log_fh:
+        proc = subprocess.Popen(cmd, cwd=PROJECT_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                bufsize=1)
+        try:
+            for line in _lines_until(proc, t0 + timeout if timeout else None):
+                log_fh.write(line)
+                if echo:
+                    print(line, end="", flush=True)
+        finally:
+            timed_out = proc.poll() is None
+            if timed_out:
+                proc.terminate()
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+    entry.update(backend="inprocess", exit_code=proc.returncode, seconds=round(time.time() - t0, 1))
+    if timed_out:
+        entry["process_status"] = f"timed out after {timeout:.0f} s"
+    status = cell_status(out, cell)
+    output = log_path.read_text()
+    if resume_from is not None and status not in FINISHED and "CheckpointError" in output:
+        shutil.rmtree(cell_dir, ignore_errors=True)  # the checkpoint was unusable: from round 1, once
+        return run_cell(spec, cell, out, flwr_home=Path(), port=0, echo=echo, timeout=timeout,
+                        keep_adapters=keep_adapters)
+    entry["status"] = status
+    entry["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+    if status not in FINISHED:
+        data = read_results(results_path(out, cell)) or {}
+        entry["error"] = data.get("error") or entry.get("process_status") or _last_error_line(output)
+    if not keep_adapters:
+        shutil.rmtree(cell_dir / "adapter", ignore_errors=True)
+        if status in FINISHED:
+            (cell_dir / "checkpoint.pt").unlink(missing_ok=True)
+    _write_json(cell_dir / "cell.json", entry)
+    return entry
+
+
+def _lines_until(proc, deadline: float | None):
+    """The child's output lines; stops reading at ``deadline`` (the caller then terminates it). A
+    reader thread, so that a child that prints nothing cannot hold the grid past its deadline."""
+    import queue
+    import threading
+
+    lines: queue.Queue = queue.Queue()
+
+    def pump() -> None:
+        for line in proc.stdout:
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
+    while True:
+        wait = None if deadline is None else max(deadline - time.time(), 0.0)
+        try:
+            line = lines.get(timeout=wait)
+        except queue.Empty:
+            return
+        if line is None:
+            proc.wait()
+            return
+        yield line
 
 
 def resumable_round(cell_dir: Path, overrides: dict[str, Any]) -> int | None:
@@ -567,14 +710,23 @@ def run_grid(spec: GridSpec, out: Path, *, flwr_home: Path | None = None, port: 
     out.mkdir(parents=True, exist_ok=True)
     cells = validate(spec, out)
     flwr_home = Path(flwr_home).expanduser().resolve() if flwr_home else default_flwr_home(out)
-    if _inside(flwr_home, PROJECT_ROOT):
+    if spec.backend == "flwr" and _inside(flwr_home, PROJECT_ROOT):
         raise GridError(f"the Flower home {flwr_home} is inside the app directory {PROJECT_ROOT}: `flwr run` would "
                         "package the installed apps into every FAB; choose a directory outside it")
     port = port or default_port(out)
+    # Flower cells share one local SuperLink, which an invocation stops when it ends: one
+    # invocation per grid. In-process cells are independent child processes: several invocations
+    # may share the grid, each taking the next cell no other one holds.
+    grid_lock = _try_lock(out / ".grid.lock", shared=spec.backend == "inprocess")
+    if grid_lock is None:
+        raise GridBusy(f"another fedpower-experiment is running the grid in {out}"
+                       + (" (only --backend inprocess invocations can share a grid)" if spec.backend == "flwr" else
+                          " with --backend flwr; wait for it to finish"))
     gitignore = out / ".gitignore"
     if not gitignore.exists():
         gitignore.write_text("# written by fedpower-experiment: Flower state and model adapters are not results\n"
-                             "flwr-home/\ncells/*/adapter/\ncells/*/checkpoint.pt\ncells/*/inflight.json\n*.tmp*\n")
+                             "flwr-home/\ncells/*/adapter/\ncells/*/checkpoint.pt\ncells/*/inflight.json\n*.tmp*\n"
+                             "locks/\n.*.lock\n")
     manifest_home = str(flwr_home)
     manifest = Manifest(out)
     manifest.data["format"] = FORMAT
@@ -582,8 +734,8 @@ def run_grid(spec: GridSpec, out: Path, *, flwr_home: Path | None = None, port: 
     manifest.data["project_root"] = str(PROJECT_ROOT)
     manifest.data["flwr_home"] = manifest_home
     manifest.data["superlink_port"] = port
-    invocation = {"argv": list(argv) if argv is not None else None, "started_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                  "ran": [], "skipped": 0, "failed": []}
+    invocation = {"id": manifest.invocation_id, "argv": list(argv) if argv is not None else None,
+                  "started_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "ran": [], "skipped": 0, "failed": []}
     manifest.data["invocations"].append(invocation)
     todo = [c for c in cells if not is_finished(out, c)]
     for c in cells:
@@ -592,9 +744,8 @@ def run_grid(spec: GridSpec, out: Path, *, flwr_home: Path | None = None, port: 
         entry.setdefault("method", c.method)
         entry.setdefault("epsilon", "none" if c.epsilon is None else c.epsilon)
         entry.setdefault("seed", c.seed)
-        entry["status"] = cell_status(out, c)
     invocation["skipped"] = len(cells) - len(todo)
-    manifest.save()
+    manifest.save(cells)
     if max_cells is not None:
         todo = todo[:max_cells]
     log(f"fedpower-experiment: {len(cells)} cells in the grid, {invocation['skipped']} already finished, "
@@ -606,16 +757,27 @@ def run_grid(spec: GridSpec, out: Path, *, flwr_home: Path | None = None, port: 
     durations: list[float] = []
     try:
         for i, cell in enumerate(todo, 1):
+            cell_lock = _try_lock(out / "locks" / f"{cell.cell_id}.lock")
+            if cell_lock is None or is_finished(out, cell):  # another invocation runs it, or has run it
+                log(f"[cell {i}/{len(todo)}] {cell.cell_id}: "
+                    f"{'taken by another fedpower-experiment process' if cell_lock is None else 'finished meanwhile'}; skipped")
+                if cell_lock is not None:
+                    cell_lock.close()
+                continue
             resume_from = resumable_round(out / "cells" / cell.cell_id, cell_overrides(spec, cell, out))
             how = f", resuming after round {resume_from} from its checkpoint" if resume_from is not None else ""
             log(f"[cell {i}/{len(todo)}] {cell.cell_id}: running ({cell.describe()}{how})")
             t0 = time.time()
-            entry = run_cell(spec, cell, out, flwr_home=flwr_home, port=port, echo=echo, timeout=timeout,
-                             keep_adapters=keep_adapters)
+            try:
+                entry = run_cell(spec, cell, out, flwr_home=flwr_home, port=port, echo=echo, timeout=timeout,
+                                 keep_adapters=keep_adapters)
+            finally:
+                cell_lock.close()
             durations.append(time.time() - t0)
             attempts = int(manifest.data["cells"].get(cell.cell_id, {}).get("attempts", 0)) + 1
             entry["attempts"] = attempts
             manifest.data["cells"][cell.cell_id] = entry
+            manifest.ran.add(cell.cell_id)
             invocation["ran"].append(cell.cell_id)
             remaining = len(todo) - i
             eta = statistics.mean(durations) * remaining
@@ -630,7 +792,7 @@ def run_grid(spec: GridSpec, out: Path, *, flwr_home: Path | None = None, port: 
                 invocation["failed"].append(cell.cell_id)
                 log(f"[cell {i}/{len(todo)}] {cell.cell_id}: FAILED ({entry['status']}): {entry.get('error')} | "
                     f"log {out / 'cells' / cell.cell_id / 'flwr.log'} | ETA {_fmt_seconds(eta)} for {remaining} more")
-            manifest.save()
+            manifest.save(cells)
             streak = len(invocation["failed"]) and all(
                 c in invocation["failed"] for c in invocation["ran"][-(max_consecutive_failures or 0):])
             if max_consecutive_failures and len(invocation["ran"]) >= max_consecutive_failures and streak:
@@ -640,11 +802,10 @@ def run_grid(spec: GridSpec, out: Path, *, flwr_home: Path | None = None, port: 
     finally:
         invocation["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
         invocation["seconds"] = round(time.time() - t_grid, 1)
-        for c in cells:
-            manifest.data["cells"].setdefault(c.cell_id, {})["status"] = cell_status(out, c)
-        manifest.save()
-        if todo:
+        manifest.save(cells)
+        if todo and spec.backend == "flwr":
             stop_local_superlink(flwr_home)
+        grid_lock.close()
     unfinished = [c.cell_id for c in cells if not is_finished(out, c)]
     return {"cells": len(cells), "ran": invocation["ran"], "skipped": invocation["skipped"],
             "failed": invocation["failed"], "unfinished": unfinished, "seconds": invocation["seconds"]}
@@ -1040,7 +1201,7 @@ def _load_grid_file(path: str) -> dict[str, Any]:
 
 
 _GRID_KEYS = {"out", "cell-timeout", "preset", "tasks", "seeds", "methods", "epsilons", "overrides", "data-dir", "nonprivate-lr",
-              "supernodes", "table1", "table2", "table3"}
+              "supernodes", "backend", "threads", "table1", "table2", "table3"}
 
 
 def _parse_set(items: Sequence[str]) -> dict[str, Any]:
@@ -1083,6 +1244,8 @@ def build_spec(args: argparse.Namespace) -> tuple[GridSpec, Path]:
         data_dir = str(Path(data_dir).expanduser().resolve()) if "{task}" not in data_dir else data_dir
     nonprivate_lr = args.nonprivate_lr if args.nonprivate_lr is not None else g.get("nonprivate-lr")
     supernodes = args.supernodes if args.supernodes is not None else int(g.get("supernodes", 6))
+    backend = args.backend or g.get("backend", "flwr")
+    threads = args.threads if args.threads is not None else g.get("threads")
 
     cli_eps = [parse_epsilon(e) for e in args.epsilons] if args.epsilons else None
     file_eps = [parse_epsilon(e) for e in g["epsilons"]] if g.get("epsilons") else None
@@ -1103,7 +1266,8 @@ def build_spec(args: argparse.Namespace) -> tuple[GridSpec, Path]:
         if methods or eps:
             custom = (list(methods or TABLE_METHODS["1"]), eps or TABLE_EPSILONS["1"])
     spec = GridSpec(tasks=list(tasks), seeds=seeds, tables=tables, custom=custom, preset=preset,
-                    overrides=overrides, data_dir=data_dir or None, nonprivate_lr=nonprivate_lr, supernodes=supernodes)
+                    overrides=overrides, data_dir=data_dir or None, nonprivate_lr=nonprivate_lr, supernodes=supernodes,
+                    backend=str(backend), threads=None if threads is None else int(threads))
     return spec, out_path
 
 
@@ -1130,9 +1294,15 @@ def make_parser() -> argparse.ArgumentParser:
                                                      "task.data-dir to every cell; '{task}' is substituted")
     g.add_argument("--nonprivate-lr", type=float, metavar="LR",
                    help="train.lr of the non-private cells (paper: 0.05, vs 0.5 private); default: the preset's")
-    g.add_argument("--supernodes", type=int, help="simulated silos per run (default 6)")
+    g.add_argument("--supernodes", type=int, help="simulated silos per run (default 6); with --backend inprocess, "
+                                                  "the number of virtual clients")
     r = p.add_argument_group("how to run")
     r.add_argument("--out", metavar="DIR", help="output directory (tables, figures, manifest.json, cells/)")
+    r.add_argument("--backend", choices=BACKENDS,
+                   help="flwr (default): each cell is a `flwr run` Ray simulation; inprocess: each cell runs the "
+                        "real ServerApp and ClientApp in one child process with one model for all virtual clients "
+                        "(client-level DP with 1,000 clients on a CPU; not a deployment path)")
+    r.add_argument("--threads", type=int, metavar="N", help="torch threads of an inprocess cell (default: torch's)")
     r.add_argument("--dry-run", action="store_true", help="list the cells and their status, run nothing")
     r.add_argument("--report-only", action="store_true", help="only (re)write tables and figures from finished cells")
     r.add_argument("--max-cells", type=int, metavar="N", help="run at most N unfinished cells this time")

@@ -7,12 +7,16 @@ message's content like a real transport would. Not a deployment path.
 from __future__ import annotations
 
 import copy
+import logging
+import time
 import uuid
 
 from flwr.app import Context, Error, Message, RecordDict
 from flwr.serverapp import Grid
 from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
+
+log = logging.getLogger("fedpower")
 
 
 class InProcessGrid(Grid):
@@ -21,11 +25,15 @@ class InProcessGrid(Grid):
     ``handlers`` may override the reply of given node ids (to simulate faulty clients).
     ``node_ids`` (default 100, 101, ...) gives partition i to ``node_ids[i]``; real runtimes draw
     node ids at random, so tests pass other ids to check nothing depends on them. ``node_config``
-    adds keys to every node's config (e.g. a silo's own ``dp-max-epsilon``).
+    adds keys to every node's config (e.g. a silo's own ``dp-max-epsilon``). ``record_sent`` keeps
+    every sent message in ``sent`` (for tests); a long run turns it off, since each message holds a
+    copy of the global adapter. A batch that takes longer than ``progress_every`` seconds logs its
+    progress (a round of 250 clients takes minutes on a CPU).
     """
 
     def __init__(self, client_app, num_nodes: int, run_config: dict | None = None, handlers: dict | None = None,
-                 node_ids: list[int] | None = None, node_config: dict | None = None):
+                 node_ids: list[int] | None = None, node_config: dict | None = None, record_sent: bool = True,
+                 progress_every: float = 60.0):
         TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 1, 1
         self._app = client_app
         self._run = Run.create_empty(run_id=1)
@@ -41,6 +49,8 @@ class InProcessGrid(Grid):
         self.handlers = dict(handlers or {})
         self._replies: dict[str, Message] = {}
         self.sent: list[Message] = []
+        self.record_sent = record_sent
+        self.progress_every = progress_every
 
     def set_run(self, run_id):  # pragma: no cover - Grid API
         self._run = Run.create_empty(run_id=run_id)
@@ -57,10 +67,18 @@ class InProcessGrid(Grid):
 
     def push_messages(self, messages):
         ids = []
-        for msg in messages:
+        messages = list(messages)
+        t0 = last = time.monotonic()
+        for k, msg in enumerate(messages):
+            now = time.monotonic()
+            if now - last >= self.progress_every:
+                last = now
+                log.info("in-process grid: %d/%d %s messages answered (%.0f s)", k, len(messages),
+                         msg.metadata.message_type, now - t0)
             mid = uuid.uuid4().hex
             msg.metadata.__dict__["_message_id"] = mid
-            self.sent.append(msg)
+            if self.record_sent:
+                self.sent.append(msg)
             dst = msg.metadata.dst_node_id
             # Real runtimes serialise; copy so a client cannot mutate what others receive.
             delivered = Message(copy.deepcopy(msg.content), dst, msg.metadata.message_type)

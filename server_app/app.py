@@ -38,6 +38,16 @@ def run_directory(cfg: RunConfig) -> Path:
     return Path(cfg["output-dir"]).expanduser() / name
 
 
+def describe_sizes(sizes, *, list_up_to: int = 12) -> str:
+    """The shard sizes for the start log: the sorted list for a few silos, a summary for many (a
+    cross-device run with 1,000 clients would otherwise log a 5,000-character line)."""
+    ordered = sorted(int(s) for s in sizes)
+    if len(ordered) <= list_up_to:
+        return str(ordered)
+    median = ordered[len(ordered) // 2]
+    return f"{ordered[0]}-{ordered[-1]} (median {median}, total {sum(ordered)})"
+
+
 def discover_clients(grid: Grid, cfg: RunConfig) -> tuple[dict[int, int], dict[int, int]]:
     """Wait for ``strategy.min-nodes`` SuperNodes, then ask each for its training-shard size.
     Returns {node: size} in population order (``population_order``)."""
@@ -279,7 +289,7 @@ def _run(grid: Grid, cfg: RunConfig, run_dir: Path, results: ResultsWriter, chec
         raise ValueError(problem)  # before any round: the run fails with this reason in results.json
     roster = Roster(grid, cfg, sizes, partitions)
     results.set("clients", {"count": len(sizes), "dataset_sizes": sorted(sizes.values())})
-    log.info("%d clients, shard sizes %s", len(sizes), sorted(sizes.values()))
+    log.info("%d clients, shard sizes %s", len(sizes), describe_sizes(sizes.values()))
 
     privacy = build_privacy(cfg, client_sizes=sizes, num_modules=len(modules))
     results.set("privacy", privacy.describe())

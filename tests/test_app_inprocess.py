@@ -110,3 +110,26 @@ def test_population_is_ordered_by_partition_not_node_id():
     assert server.population_order([905, 17, 333], {905: 2, 17: 1, 333: 0}) == [333, 17, 905]
     # nodes that report no partition id come last, by node id
     assert server.population_order([9, 5, 7], {7: 0}) == [7, 5, 9]
+
+
+def test_start_log_lists_few_shard_sizes_and_summarises_many():
+    assert server.describe_sizes([50, 40, 60]) == "[40, 50, 60]"
+    # 1,000 cross-device clients: a one-line summary, not a 5,000-character list.
+    many = [67] * 651 + [68] * 349
+    assert server.describe_sizes(many) == "67-68 (median 67, total 67349)"
+
+
+def test_grid_logs_progress_of_a_long_batch_and_can_forget_sent_messages(caplog):
+    from flwr.app import RecordDict
+
+    def echo(msg, ctx):
+        return Message(RecordDict(), reply_to=msg)
+
+    from flwr.app import Message
+
+    grid = InProcessGrid(echo, 5, record_sent=False, progress_every=0.0)
+    msgs = [grid.create_message(RecordDict(), "query", nid, "g") for nid in grid.get_node_ids()]
+    with caplog.at_level("INFO", logger="fedpower"):
+        replies = grid.send_and_receive(msgs)
+    assert len(replies) == 5 and grid.sent == []
+    assert "in-process grid: 4/5 query messages answered" in caplog.text

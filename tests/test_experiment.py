@@ -126,6 +126,8 @@ def test_validate_rejects_bad_grids(tmp_path):
     (["--table", "1", "--tasks", "cola"], "unknown task"),
     (["--table", "1", "--set", "lora.rank=0"], "lora.rank"),
     (["--methods", "fedpower"], "no output directory"),
+    (["--table", "1", "--backend", "inprocess", "--supernodes", "1"], "needs --supernodes >= 2"),
+    (["--table", "1", "--backend", "inprocess", "--threads", "0"], "--threads must be >= 1"),
 ])
 def test_cli_errors_exit_2(argv, message, tmp_path, capsys):
     if "--out" not in argv and message != "no output directory":
@@ -181,6 +183,64 @@ def test_grid_files_and_table_flags(tmp_path):
     assert ov["num-server-rounds"] == 10 and ov["strategy.refactor-every"] == 10
 
 
+def test_cross_device_grid_runs_in_process(tmp_path):
+    parser = X.make_parser()
+    args = parser.parse_args(["--grid", str(PROJECT_ROOT / "conf/grids/cross-device-sst2.toml"), "--out", str(tmp_path)])
+    spec, _ = X.build_spec(args)
+    assert spec.backend == "inprocess" and spec.supernodes == 1000 and spec.threads == 2
+    cells = X.validate(spec, tmp_path)
+    assert len(cells) == 4 * 2 * 3
+    ov = X.cell_overrides(spec, next(c for c in cells if c.method == "fedpower-powerdp" and c.epsilon == 8.0), tmp_path)
+    assert ov["dp.level"] == "client" and ov["strategy.client-refactorization"] == "powerdp"
+    # the command line wins over the grid file, and the spec round-trips through the manifest
+    spec, _ = X.build_spec(parser.parse_args(["--grid", str(PROJECT_ROOT / "conf/grids/cross-device-sst2.toml"),
+                                              "--backend", "flwr", "--threads", "1", "--out", str(tmp_path)]))
+    assert (spec.backend, spec.threads) == ("flwr", 1)
+    assert X.GridSpec.from_dict(spec.to_dict()) == spec
+
+
+def test_output_reader_stops_at_the_deadline_of_a_silent_child():
+    import subprocess
+    import sys
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-c", "import time; print('started', flush=True); time.sleep(60)"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+    try:
+        t0 = time.time()
+        lines = list(X._lines_until(proc, time.time() + 3))
+        assert lines == ["started\n"] and time.time() - t0 < 10 and proc.poll() is None
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_inprocess_cell_runs_resumes_and_reports(tmp_path, capsys):
+    """A 2-cell grid on the in-process backend, each cell a child process with 8 virtual clients at
+    client level; the second invocation runs nothing; the report is written."""
+    out = tmp_path / "grid"
+    argv = ["--methods", "fedlora", "ffa-lora", "--epsilons", "8", "--seeds", "0", "--tasks", "synthetic",
+            "--preset", TINY, "--supernodes", "8", "--backend", "inprocess", "--threads", "1", "--out", str(out),
+            "--set", 'dp.level="client"', "--set", "strategy.client-rate=0.5", "--set", "task.synthetic-train-size=160",
+            "--cell-timeout", "600"]
+    assert X.main(argv) == 0, capsys.readouterr()
+    printed = capsys.readouterr().out
+    assert "[cell 1/2]" in printed and "[cell 2/2]" in printed
+    for method in ("fedlora", "ffa-lora"):
+        cell_dir = out / "cells" / f"synthetic__{method}__eps8__s0"
+        res = json.loads((cell_dir / "results.json").read_text())
+        assert res["status"] == "completed" and res["config"]["strategy.name"] == method
+        assert res["privacy"]["calibration"]["level"] == "client" and len(res["clients"]["dataset_sizes"]) == 8
+        cell = json.loads((cell_dir / "cell.json").read_text())
+        assert cell["backend"] == "inprocess" and cell["exit_code"] == 0 and cell["status"] == "completed"
+        assert "final accuracy" in (cell_dir / "run.log").read_text()
+        assert not (cell_dir / "adapter").exists() and not (cell_dir / "checkpoint.pt").exists()
+    assert "| ε = 8 | FedLoRA |" in (out / "table_custom.md").read_text()
+    assert not (out / "flwr-home").exists()  # no Flower state for in-process cells
+    assert X.main(argv) == 0
+    assert "2 already finished, 0 to run" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("grid", sorted(p.name for p in (PROJECT_ROOT / "conf" / "grids").glob("*.toml")))
 def test_every_shipped_grid_validates(grid, tmp_path):
     parser = X.make_parser()
@@ -204,6 +264,41 @@ def test_paper_presets():
 # ------------------------------------------------------------------------------------------------
 # resume (fast, no Flower)
 # ------------------------------------------------------------------------------------------------
+
+def test_inprocess_workers_share_a_grid_cell_by_cell(tmp_path, monkeypatch):
+    """Two in-process invocations on one grid: a cell held by the other one is skipped, and the
+    manifest keeps both invocations' entries."""
+    spec = tiny_spec(tables={"1": (["fedpower", "fedlora"], [8.0])}, backend="inprocess")
+    first, second = spec.cells()
+    other = X.Manifest(tmp_path)
+    other.invocation_id = "other"
+    other.data["invocations"].append({"id": "other", "ran": [first.cell_id]})
+    other.data["cells"][first.cell_id] = {"method": "fedpower", "seconds": 12.0}
+    other.ran.add(first.cell_id)
+    other.save()
+    held = X._try_lock(tmp_path / "locks" / f"{first.cell_id}.lock")  # the other worker runs this cell
+    assert held is not None and X._try_lock(tmp_path / "locks" / f"{first.cell_id}.lock") is None
+    also_held = X._try_lock(tmp_path / ".grid.lock", shared=True)
+
+    def fake_run_cell(spec_, cell, out, **kw):
+        write_cell(out, cell, fake_results([0.6]))
+        return {"status": "completed", "seconds": 1.0}
+
+    monkeypatch.setattr(X, "run_cell", fake_run_cell)
+    logged = []
+    summary = X.run_grid(spec, tmp_path, log=logged.append)
+    assert summary["ran"] == [second.cell_id] and summary["unfinished"] == [first.cell_id]
+    assert any("taken by another fedpower-experiment process" in line for line in logged)
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert [inv["id"] for inv in manifest["invocations"]][0] == "other" and len(manifest["invocations"]) == 2
+    assert manifest["cells"][first.cell_id]["seconds"] == 12.0  # the other worker's entry is kept
+    assert manifest["cells"][second.cell_id]["status"] == "completed"
+    # a Flower grid cannot share: its invocations stop the one local SuperLink
+    with pytest.raises(X.GridBusy, match="another fedpower-experiment"):
+        X.run_grid(X.GridSpec(**{**spec.__dict__, "backend": "flwr"}), tmp_path, log=logged.append)
+    held.close()
+    also_held.close()
+
 
 def test_resume_skips_finished_cells(tmp_path, monkeypatch):
     spec = tiny_spec(tables={"1": (["fedpower", "fedlora"], [8.0])}, seeds=[0, 1])

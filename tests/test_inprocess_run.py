@@ -27,3 +27,16 @@ def test_client_level_run_with_many_clients_accounts_at_the_fixed_cohort(tmp_pat
     assert 0 < res["rounds"][-1]["epsilon"] <= 8.0 * (1 + 1e-6)
     assert all(0 <= r["sampled"] <= 12 for r in res["rounds"])
     assert "final accuracy" in capsys.readouterr().err
+
+
+def test_product_entry_point_rejects_a_bad_config_before_training(tmp_path, capsys):
+    from fedpower_app import inprocess_run as R
+
+    cfg = tmp_path / "cfg.json"
+    cfg.write_text(json.dumps({"task.name": "synthetic", "lora.rank": 0, "output-dir": str(tmp_path / "out")}))
+    assert R.main(["--config-json", str(cfg), "--clients", "4"]) == 2
+    assert "lora.rank" in capsys.readouterr().err and not (tmp_path / "out").exists()
+    cfg.write_text("[1, 2]")
+    with pytest.raises(SystemExit):
+        R.main(["--config-json", str(cfg), "--clients", "4"])
+    assert "JSON object" in capsys.readouterr().err
