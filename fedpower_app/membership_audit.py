@@ -37,6 +37,7 @@ Examples:
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -83,6 +84,24 @@ class AuditPlan:
     background_labels: list[int] = field(default_factory=list)
     supernodes: int = 6
     format: str = FORMAT
+    # audit.json does not list the background (60,000 rows made it ~0.9 MB): make_plan draws it again
+    # from the audit seed on every training invocation, and these two identify it.
+    background_count: int | None = None
+    background_sha256: str | None = None
+
+    def background_summary(self) -> tuple[int, str]:
+        """(count, sha256) of the background rows and labels, from the lists when held."""
+        if self.background or self.background_count is None:
+            digest = hashlib.sha256(json.dumps([self.background, self.background_labels]).encode()).hexdigest()
+            return len(self.background), digest
+        return int(self.background_count), str(self.background_sha256)
+
+    def to_json(self) -> dict[str, Any]:
+        """What audit.json holds: the plan without the background lists (their count and digest)."""
+        data = asdict(self)
+        data["background_count"], data["background_sha256"] = self.background_summary()
+        del data["background"], data["background_labels"]
+        return data
 
     def coins(self, run: int) -> tuple[np.ndarray, np.ndarray]:
         """(pool membership, canary inclusion) of one run: independent fair coins, fixed by the
@@ -100,8 +119,8 @@ class AuditPlan:
 
     def comparable(self, other: "AuditPlan") -> list[str]:
         """Fields that differ (a resumed audit must be the same audit)."""
-        a, b = asdict(self), asdict(other)
-        return [k for k in a if a[k] != b[k] and k != "runs"]
+        a, b = self.to_json(), other.to_json()
+        return [k for k in a if a[k] != b.get(k) and k != "runs"]
 
 
 def make_plan(overrides: dict[str, Any], *, runs: int, pool: int, population: int, canaries: int,
@@ -417,7 +436,7 @@ def build_report(out: Path, *, bootstrap: int = 200, attacks: Sequence[str] | No
         "runs_finished": len(data.runs),
         "runs_planned": plan.runs,
         "pool": len(plan.pool), "population": len(plan.population), "canaries": len(plan.canaries),
-        "background": len(plan.background),
+        "background": plan.background_summary()[0],
         "accuracy_mean": float(np.mean(acc)) if acc else None,
         "accuracy_std": float(np.std(acc)) if acc else None,
         "claimed_epsilon": claimed, "delta": delta if curve else None,
@@ -644,7 +663,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if plan.runs != old.runs:
                     print(f"fedpower-audit: runs {old.runs} -> {plan.runs}", flush=True)
             out.mkdir(parents=True, exist_ok=True)
-            _write_json(out / "audit.json", asdict(plan))
+            _write_json(out / "audit.json", plan.to_json())
             run_audit(plan, out, echo=args.verbose, timeout=args.run_timeout, max_runs=args.max_runs,
                       port=args.port)
         report = build_report(out, bootstrap=args.bootstrap)

@@ -52,6 +52,25 @@ def test_plan_sets_are_disjoint_canaries_flipped_and_coins_fixed():
     assert "pool" in tiny_plan(seed=4).comparable(plan)
 
 
+def test_audit_json_identifies_the_background_without_listing_it(tmp_path):
+    plan = tiny_plan(background=200, train_size=600)
+    saved = plan.to_json()
+    assert "background" not in saved and saved["background_count"] == 200 and len(saved["background_sha256"]) == 64
+    (tmp_path / "audit.json").write_text(json.dumps(saved))
+    loaded = MA.load_plan(tmp_path)
+    # a resumed audit draws the background again from the audit seed: the same rows, the same digest
+    assert loaded.comparable(tiny_plan(background=200, train_size=600)) == []
+    assert loaded.background_summary() == plan.background_summary()
+    # an older audit.json that lists the rows still loads and compares equal
+    (tmp_path / "audit.json").write_text(json.dumps(asdict(plan)))
+    assert MA.load_plan(tmp_path).comparable(plan) == []
+    # other background rows (or labels) are another audit
+    other = tiny_plan(background=200, train_size=600)
+    other.background_labels = [1 - y for y in other.background_labels]
+    assert loaded.comparable(other) == ["background_sha256"]
+    assert "background_count" in loaded.comparable(tiny_plan(background=199, train_size=600))
+
+
 def test_plan_refuses_what_it_cannot_do():
     with pytest.raises(MA.AuditError, match="--runs must be >= 2"):
         tiny_plan(runs=1)
