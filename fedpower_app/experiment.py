@@ -927,8 +927,9 @@ def task_columns(collected: Collected, tasks: Sequence[str]) -> list[tuple[str, 
 def _pm(mean: float | None, std: float | None, n: int, scale: float = 100.0, digits: int = 2) -> str:
     if mean is None:
         return "—"
-    text = f"{mean * scale:.{digits}f} ± {std * scale:.{digits}f}"
-    return text
+    if n < 2:  # one seed has no spread to show; "± 0.00" would claim one
+        return f"{mean * scale:.{digits}f}"
+    return f"{mean * scale:.{digits}f} ± {std * scale:.{digits}f}"
 
 
 @dataclass

@@ -501,6 +501,8 @@ def test_mean_std():
     assert X.mean_std([0.5, None]) == (0.5, 0.0, 1)
     m, s, n = X.mean_std([0.6, 0.7, 0.8])
     assert n == 3 and math.isclose(m, 0.7) and math.isclose(s, 0.1)  # sample std (ddof = 1)
+    assert X._pm(0.7, 0.0, 1) == "70.00"  # one seed: no "± 0.00"
+    assert X._pm(0.7, 0.1, 3) == "70.00 ± 10.00" and X._pm(None, None, 0) == "—"
 
 
 def test_cell_metrics_and_curve():
