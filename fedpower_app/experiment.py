@@ -563,6 +563,8 @@ def _finish_inprocess_cell(spec: GridSpec, cell: Cell, out: Path, cell_dir: Path
                 log_fh.write(line)
                 if echo:
                     print(line, end="", flush=True)
+                elif progress := _round_line(line):  # a cell takes up to an hour: show its rounds
+                    print(f"  {cell.cell_id}: {progress}", flush=True)
         finally:
             timed_out = proc.poll() is None
             if timed_out:
@@ -592,6 +594,17 @@ def _finish_inprocess_cell(spec: GridSpec, cell: Cell, out: Path, cell_dir: Path
             (cell_dir / "checkpoint.pt").unlink(missing_ok=True)
     _write_json(cell_dir / "cell.json", entry)
     return entry
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def _round_line(line: str) -> str | None:
+    """The round summary of a run's log line ("[round 3/10 ...] acc ..."), without colour codes and
+    the log level; None for any other line."""
+    plain = _ANSI.sub("", line).strip()
+    i = plain.find("[round ")
+    return plain[i:] if i >= 0 else None
 
 
 def _lines_until(proc, deadline: float | None):

@@ -199,6 +199,12 @@ def test_cross_device_grid_runs_in_process(tmp_path):
     assert X.GridSpec.from_dict(spec.to_dict()) == spec
 
 
+def test_round_lines_are_picked_from_a_run_log():
+    line = "\x1b[92mINFO \x1b[0m:      [round 3/10 ffa-delta] acc 0.5722 loss 0.6915 | eps 5.177/8\n"
+    assert X._round_line(line) == "[round 3/10 ffa-delta] acc 0.5722 loss 0.6915 | eps 5.177/8"
+    assert X._round_line("INFO : privacy: z=0.9\n") is None
+
+
 def test_output_reader_stops_at_the_deadline_of_a_silent_child():
     import subprocess
     import sys
@@ -226,6 +232,7 @@ def test_inprocess_cell_runs_resumes_and_reports(tmp_path, capsys):
     assert X.main(argv) == 0, capsys.readouterr()
     printed = capsys.readouterr().out
     assert "[cell 1/2]" in printed and "[cell 2/2]" in printed
+    assert "  synthetic__fedlora__eps8__s0: [round 2/2" in printed  # the cell's rounds as they finish
     for method in ("fedlora", "ffa-lora"):
         cell_dir = out / "cells" / f"synthetic__{method}__eps8__s0"
         res = json.loads((cell_dir / "results.json").read_text())
