@@ -759,10 +759,12 @@ def run_grid(spec: GridSpec, out: Path, *, flwr_home: Path | None = None, port: 
         entry.setdefault("seed", c.seed)
     invocation["skipped"] = len(cells) - len(todo)
     manifest.save(cells)
-    if max_cells is not None:
+    if max_cells is not None and spec.backend == "flwr":
         todo = todo[:max_cells]
+    # In-process invocations may share the grid: --max-cells counts the cells this one runs, not the
+    # ones another invocation holds, so it walks the whole list.
     log(f"fedpower-experiment: {len(cells)} cells in the grid, {invocation['skipped']} already finished, "
-        f"{len(todo)} to run -> {out}")
+        f"{len(todo)} to run{'' if max_cells is None else f' (at most {max_cells} in this invocation)'} -> {out}")
     previously_failed = [c.cell_id for c in todo if cell_status(out, c) not in ("missing",)]
     if previously_failed:
         log(f"fedpower-experiment: re-running {len(previously_failed)} unfinished/failed cell(s): {', '.join(previously_failed)}")
@@ -770,6 +772,8 @@ def run_grid(spec: GridSpec, out: Path, *, flwr_home: Path | None = None, port: 
     durations: list[float] = []
     try:
         for i, cell in enumerate(todo, 1):
+            if max_cells is not None and len(invocation["ran"]) >= max_cells:
+                break
             cell_lock = _try_lock(out / "locks" / f"{cell.cell_id}.lock")
             if cell_lock is None or is_finished(out, cell):  # another invocation runs it, or has run it
                 log(f"[cell {i}/{len(todo)}] {cell.cell_id}: "

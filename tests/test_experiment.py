@@ -300,6 +300,11 @@ def test_inprocess_workers_share_a_grid_cell_by_cell(tmp_path, monkeypatch):
     assert [inv["id"] for inv in manifest["invocations"]][0] == "other" and len(manifest["invocations"]) == 2
     assert manifest["cells"][first.cell_id]["seconds"] == 12.0  # the other worker's entry is kept
     assert manifest["cells"][second.cell_id]["status"] == "completed"
+    # --max-cells counts the cells this invocation runs, not the ones another one holds
+    write_cell(tmp_path, second, {"status": "running"})
+    third = X.GridSpec(**{**spec.__dict__, "seeds": [0, 1]})
+    summary = X.run_grid(third, tmp_path, log=logged.append, max_cells=1)
+    assert summary["ran"] == [second.cell_id]
     # a Flower grid cannot share: its invocations stop the one local SuperLink
     with pytest.raises(X.GridBusy, match="another fedpower-experiment"):
         X.run_grid(X.GridSpec(**{**spec.__dict__, "backend": "flwr"}), tmp_path, log=logged.append)
