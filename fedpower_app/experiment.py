@@ -459,6 +459,15 @@ class GridBusy(GridError):
     """The grid (or a cell) is held by another fedpower-experiment process."""
 
 
+def _held(out: Path, cell: "Cell") -> bool:
+    """Whether another fedpower-experiment process is running ``cell`` now (it holds its lock)."""
+    lock = _try_lock(out / "locks" / f"{cell.cell_id}.lock")
+    if lock is None:
+        return True
+    lock.close()
+    return False
+
+
 def _try_lock(path: Path, *, shared: bool = False):
     """An open file holding a non-blocking flock on ``path`` (released when the process exits or the
     file is closed), or None when another process holds it."""
@@ -555,7 +564,7 @@ def _finish_inprocess_cell(spec: GridSpec, cell: Cell, out: Path, cell_dir: Path
         cmd += ["--threads", str(spec.threads)]
     log_path = cell_dir / "run.log"
     t0 = time.time()
-    with open(log_path, "w") as log_fh:
+    with open(log_path, "w", buffering=1) as log_fh:  # line-buffered: `tail -f run.log` follows the cell
         proc = subprocess.Popen(cmd, cwd=PROJECT_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 bufsize=1)
         try:
@@ -765,7 +774,7 @@ def run_grid(spec: GridSpec, out: Path, *, flwr_home: Path | None = None, port: 
     # ones another invocation holds, so it walks the whole list.
     log(f"fedpower-experiment: {len(cells)} cells in the grid, {invocation['skipped']} already finished, "
         f"{len(todo)} to run{'' if max_cells is None else f' (at most {max_cells} in this invocation)'} -> {out}")
-    previously_failed = [c.cell_id for c in todo if cell_status(out, c) not in ("missing",)]
+    previously_failed = [c.cell_id for c in todo if cell_status(out, c) not in ("missing",) and not _held(out, c)]
     if previously_failed:
         log(f"fedpower-experiment: re-running {len(previously_failed)} unfinished/failed cell(s): {', '.join(previously_failed)}")
     t_grid = time.time()

@@ -286,6 +286,7 @@ def test_inprocess_workers_share_a_grid_cell_by_cell(tmp_path, monkeypatch):
     held = X._try_lock(tmp_path / "locks" / f"{first.cell_id}.lock")  # the other worker runs this cell
     assert held is not None and X._try_lock(tmp_path / "locks" / f"{first.cell_id}.lock") is None
     also_held = X._try_lock(tmp_path / ".grid.lock", shared=True)
+    write_cell(tmp_path, first, {"status": "running"})
 
     def fake_run_cell(spec_, cell, out, **kw):
         write_cell(out, cell, fake_results([0.6]))
@@ -296,6 +297,7 @@ def test_inprocess_workers_share_a_grid_cell_by_cell(tmp_path, monkeypatch):
     summary = X.run_grid(spec, tmp_path, log=logged.append)
     assert summary["ran"] == [second.cell_id] and summary["unfinished"] == [first.cell_id]
     assert any("taken by another fedpower-experiment process" in line for line in logged)
+    assert not any("re-running" in line for line in logged)  # a cell another worker runs is not a failed one
     manifest = json.loads((tmp_path / "manifest.json").read_text())
     assert [inv["id"] for inv in manifest["invocations"]][0] == "other" and len(manifest["invocations"]) == 2
     assert manifest["cells"][first.cell_id]["seconds"] == 12.0  # the other worker's entry is kept
