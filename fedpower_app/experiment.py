@@ -556,6 +556,8 @@ def _finish_inprocess_cell(spec: GridSpec, cell: Cell, out: Path, cell_dir: Path
     from taking the grid down, and frees the model's memory between cells."""
     import subprocess
 
+    from .launcher import terminate_tree
+
     config_file = cell_dir / "run-config.json"
     _write_json(config_file, overrides)
     cmd = [sys.executable, "-m", "fedpower_app.inprocess_run", "--config-json", str(config_file),
@@ -566,7 +568,7 @@ def _finish_inprocess_cell(spec: GridSpec, cell: Cell, out: Path, cell_dir: Path
     t0 = time.time()
     with open(log_path, "w", buffering=1) as log_fh:  # line-buffered: `tail -f run.log` follows the cell
         proc = subprocess.Popen(cmd, cwd=PROJECT_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                bufsize=1)
+                                bufsize=1, start_new_session=True)
         try:
             for line in _lines_until(proc, t0 + timeout if timeout else None):
                 log_fh.write(line)
@@ -574,15 +576,11 @@ def _finish_inprocess_cell(spec: GridSpec, cell: Cell, out: Path, cell_dir: Path
                     print(line, end="", flush=True)
                 elif progress := _round_line(line):  # a cell takes up to an hour: show its rounds
                     print(f"  {cell.cell_id}: {progress}", flush=True)
-        finally:
+        finally:  # the deadline passed, or Ctrl-C / SIGTERM reached the grid: stop the cell's process
             timed_out = proc.poll() is None
             if timed_out:
-                proc.terminate()
-                try:
-                    proc.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+                terminate_tree(proc, grace=30)
+                proc.wait()
     entry.update(backend="inprocess", exit_code=proc.returncode, seconds=round(time.time() - t0, 1))
     if timed_out:
         entry["process_status"] = f"timed out after {timeout:.0f} s"

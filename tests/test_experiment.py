@@ -221,6 +221,21 @@ def test_output_reader_stops_at_the_deadline_of_a_silent_child():
         proc.wait()
 
 
+def test_inprocess_cell_past_its_timeout_is_stopped_and_reported(tmp_path):
+    import psutil
+
+    spec = tiny_spec(tables={"1": (["fedlora"], [8.0])}, backend="inprocess", supernodes=4)
+    cell = spec.cells()[0]
+    children_before = {p.pid for p in psutil.Process().children(recursive=True)}
+    entry = X.run_cell(spec, cell, tmp_path, flwr_home=tmp_path / "unused", port=0, echo=False, timeout=2,
+                       keep_adapters=False)
+    assert entry["process_status"] == "timed out after 2 s" and entry["status"] != "completed"
+    assert entry["error"] == "timed out after 2 s" and entry["seconds"] < 60
+    left = {p.pid for p in psutil.Process().children(recursive=True)} - children_before
+    assert not left  # the cell's process is gone
+    assert json.loads((tmp_path / "cells" / cell.cell_id / "cell.json").read_text())["backend"] == "inprocess"
+
+
 def test_inprocess_cell_runs_resumes_and_reports(tmp_path, capsys):
     """A 2-cell grid on the in-process backend, each cell a child process with 8 virtual clients at
     client level; the second invocation runs nothing; the report is written."""
