@@ -425,7 +425,8 @@ class Manifest:
     Several in-process workers may share one grid (``--backend inprocess``, e.g. two at 1 thread
     on 2 cores). So ``save`` merges under a file lock: this process's own cell entries (``ran``) and
     its invocation, the other processes' entries as they are on disk, every status fresh from the
-    cells' results.json."""
+    cells' results.json. Only entries written since the last save count as this process's: a cell
+    another worker re-ran later keeps that worker's entry."""
 
     def __init__(self, out: Path) -> None:
         self.out = out
@@ -433,7 +434,7 @@ class Manifest:
         self.data: dict[str, Any] = read_results(self.path) or {"format": FORMAT, "cells": {}, "invocations": []}
         self.data.setdefault("cells", {})
         self.data.setdefault("invocations", [])
-        self.ran: set[str] = set()  # cell ids whose whole entry this process wrote
+        self.dirty: set[str] = set()  # cell ids whose whole entry this process wrote since its last save
         self.invocation_id = f"{os.getpid()}-{time.time():.6f}"
 
     def save(self, cells: Sequence["Cell"] = ()) -> None:
@@ -444,7 +445,7 @@ class Manifest:
             disk = read_results(self.path) or {}
             merged_cells = dict(disk.get("cells") or {})
             for cid, entry in self.data["cells"].items():
-                if cid in self.ran or cid not in merged_cells:
+                if cid in self.dirty or cid not in merged_cells:
                     merged_cells[cid] = entry
             for c in cells:
                 merged_cells.setdefault(c.cell_id, {})["status"] = cell_status(self.out, c)
@@ -453,6 +454,7 @@ class Manifest:
             self.data = {**disk, **{k: v for k, v in self.data.items() if k not in ("cells", "invocations")},
                          "cells": merged_cells, "invocations": invocations + mine}
             _write_json(self.path, self.data)
+            self.dirty.clear()
 
 
 class GridBusy(GridError):
@@ -489,8 +491,9 @@ def _flwr_log_excerpt(output: str, ok: bool) -> str:
 
 
 def run_cell(spec: GridSpec, cell: Cell, out: Path, *, flwr_home: Path, port: int, echo: bool,
-             timeout: float | None, keep_adapters: bool) -> dict[str, Any]:
-    """Run one cell through ``flwr run`` and return its manifest entry."""
+             timeout: float | None, keep_adapters: bool, cell_lock=None) -> dict[str, Any]:
+    """Run one cell (through ``flwr run``, or on the in-process grid) and return its manifest entry.
+    ``cell_lock``: the open file holding the cell's lock (an in-process cell's child inherits it)."""
     from .launcher import run_flwr
 
     cell_dir = out / "cells" / cell.cell_id
@@ -511,7 +514,7 @@ def run_cell(spec: GridSpec, cell: Cell, out: Path, *, flwr_home: Path, port: in
     _write_json(cell_dir / "cell.json", entry)
     if spec.backend == "inprocess":
         return _finish_inprocess_cell(spec, cell, out, cell_dir, overrides, entry, resume_from, timeout=timeout,
-                                      echo=echo, keep_adapters=keep_adapters)
+                                      echo=echo, keep_adapters=keep_adapters, cell_lock=cell_lock)
     watchdog = _Watchdog(timeout) if timeout else None
     try:
         outcome = run_flwr(PROJECT_ROOT, overrides, num_supernodes=spec.supernodes, flwr_home=flwr_home,
@@ -550,7 +553,7 @@ def run_cell(spec: GridSpec, cell: Cell, out: Path, *, flwr_home: Path, port: in
 
 def _finish_inprocess_cell(spec: GridSpec, cell: Cell, out: Path, cell_dir: Path, overrides: dict[str, Any],
                            entry: dict[str, Any], resume_from: int | None, *, timeout: float | None, echo: bool,
-                           keep_adapters: bool) -> dict[str, Any]:
+                           keep_adapters: bool, cell_lock=None) -> dict[str, Any]:
     """Run one cell on the in-process grid (``fedpower_app.inprocess_run``) in a child process:
     ``spec.supernodes`` virtual clients, one model. The child process keeps a crash or a timeout
     from taking the grid down, and frees the model's memory between cells."""
@@ -567,8 +570,11 @@ def _finish_inprocess_cell(spec: GridSpec, cell: Cell, out: Path, cell_dir: Path
     log_path = cell_dir / "run.log"
     t0 = time.time()
     with open(log_path, "w", buffering=1) as log_fh:  # line-buffered: `tail -f run.log` follows the cell
+        # The child inherits the cell's lock (same open file): if this process is killed, the cell
+        # stays locked until the child ends too, so no other worker starts it in the same directory.
         proc = subprocess.Popen(cmd, cwd=PROJECT_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                bufsize=1, start_new_session=True)
+                                encoding="utf-8", errors="replace", bufsize=1, start_new_session=True,
+                                pass_fds=(cell_lock.fileno(),) if cell_lock is not None else ())
         try:
             for line in _lines_until(proc, t0 + timeout if timeout else None):
                 log_fh.write(line)
@@ -589,7 +595,7 @@ def _finish_inprocess_cell(spec: GridSpec, cell: Cell, out: Path, cell_dir: Path
     if resume_from is not None and status not in FINISHED and "CheckpointError" in output:
         shutil.rmtree(cell_dir, ignore_errors=True)  # the checkpoint was unusable: from round 1, once
         return run_cell(spec, cell, out, flwr_home=Path(), port=0, echo=echo, timeout=timeout,
-                        keep_adapters=keep_adapters)
+                        keep_adapters=keep_adapters, cell_lock=cell_lock)
     entry["status"] = status
     entry["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
     if status not in FINISHED:
@@ -623,9 +629,11 @@ def _lines_until(proc, deadline: float | None):
     lines: queue.Queue = queue.Queue()
 
     def pump() -> None:
-        for line in proc.stdout:
-            lines.put(line)
-        lines.put(None)
+        try:
+            for line in proc.stdout:
+                lines.put(line)
+        finally:  # always the end marker, or the reader would wait for ever
+            lines.put(None)
 
     threading.Thread(target=pump, daemon=True).start()
     while True:
@@ -794,14 +802,14 @@ def run_grid(spec: GridSpec, out: Path, *, flwr_home: Path | None = None, port: 
             t0 = time.time()
             try:
                 entry = run_cell(spec, cell, out, flwr_home=flwr_home, port=port, echo=echo, timeout=timeout,
-                                 keep_adapters=keep_adapters)
+                                 keep_adapters=keep_adapters, cell_lock=cell_lock)
             finally:
                 cell_lock.close()
             durations.append(time.time() - t0)
             attempts = int(manifest.data["cells"].get(cell.cell_id, {}).get("attempts", 0)) + 1
             entry["attempts"] = attempts
             manifest.data["cells"][cell.cell_id] = entry
-            manifest.ran.add(cell.cell_id)
+            manifest.dirty.add(cell.cell_id)
             invocation["ran"].append(cell.cell_id)
             remaining = len(todo) - i
             eta = statistics.mean(durations) * remaining
@@ -815,7 +823,8 @@ def run_grid(spec: GridSpec, out: Path, *, flwr_home: Path | None = None, port: 
             else:
                 invocation["failed"].append(cell.cell_id)
                 log(f"[cell {i}/{len(todo)}] {cell.cell_id}: FAILED ({entry['status']}): {entry.get('error')} | "
-                    f"log {out / 'cells' / cell.cell_id / 'flwr.log'} | ETA {_fmt_seconds(eta)} for {remaining} more")
+                    f"log {out / 'cells' / cell.cell_id / ('run.log' if spec.backend == 'inprocess' else 'flwr.log')} | "
+                    f"ETA {_fmt_seconds(eta)} for {remaining} more")
             manifest.save(cells)
             streak = len(invocation["failed"]) and all(
                 c in invocation["failed"] for c in invocation["ran"][-(max_consecutive_failures or 0):])
@@ -831,8 +840,11 @@ def run_grid(spec: GridSpec, out: Path, *, flwr_home: Path | None = None, port: 
             stop_local_superlink(flwr_home)
         grid_lock.close()
     unfinished = [c.cell_id for c in cells if not is_finished(out, c)]
+    # cells another in-process worker is running now: not this invocation's failures
+    running_elsewhere = [c.cell_id for c in cells if c.cell_id in unfinished and _held(out, c)]
     return {"cells": len(cells), "ran": invocation["ran"], "skipped": invocation["skipped"],
-            "failed": invocation["failed"], "unfinished": unfinished, "seconds": invocation["seconds"]}
+            "failed": invocation["failed"], "unfinished": unfinished, "running_elsewhere": running_elsewhere,
+            "seconds": invocation["seconds"]}
 
 
 def _f4(x: float | None) -> str:
@@ -1395,9 +1407,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if summary is not None:
         print(f"fedpower-experiment: ran {len(summary['ran'])} cell(s) in {_fmt_seconds(summary['seconds'])}, "
               f"skipped {summary['skipped']} finished")
-        if summary["unfinished"]:
-            print(f"fedpower-experiment: {len(summary['unfinished'])} cell(s) NOT finished (re-run the same command "
-                  f"to retry): {', '.join(summary['unfinished'])}", file=sys.stderr)
+        elsewhere = summary.get("running_elsewhere") or []
+        if elsewhere:
+            print(f"fedpower-experiment: {len(elsewhere)} cell(s) still running in another fedpower-experiment "
+                  f"process: {', '.join(elsewhere)}")
+        failed = [c for c in summary["unfinished"] if c not in elsewhere]
+        if failed:
+            print(f"fedpower-experiment: {len(failed)} cell(s) NOT finished (re-run the same command "
+                  f"to retry): {', '.join(failed)}", file=sys.stderr)
             return 1
     return 0
 

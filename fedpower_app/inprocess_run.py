@@ -53,7 +53,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m fedpower_app.inprocess_run", description=__doc__.split("\n")[0])
     ap.add_argument("--config-json", required=True, help="a JSON object of run-config keys (the full overrides)")
     ap.add_argument("--clients", type=int, required=True, help="number of virtual clients N")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (1 when another job holds a core)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads (default: torch's; 1 when another job holds a core)")
     a = ap.parse_args(argv)
     if a.clients < 2:
         ap.error("--clients must be >= 2")
@@ -64,19 +65,23 @@ def main(argv=None) -> int:
     if not isinstance(overrides, dict):
         ap.error(f"--config-json {a.config_json}: a JSON object of run-config keys expected")
 
-    import torch
+    from .config import ConfigError, parse_config
 
-    from .config import ConfigError
-    from .logging_setup import setup_logging
-
-    torch.set_num_threads(a.threads)
-    setup_logging()
-    t0 = time.perf_counter()
     try:
-        run_dir = run_inprocess(overrides, a.clients)
+        parse_config(overrides)  # a bad config fails here, before torch threads or logging are touched
     except ConfigError as exc:
         print(f"inprocess_run: error: {exc}", file=sys.stderr)
         return 2
+
+    import torch
+
+    from .logging_setup import setup_logging
+
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    setup_logging()
+    t0 = time.perf_counter()
+    run_dir = run_inprocess(overrides, a.clients)
     print(f"inprocess_run: {final_line(run_dir, time.perf_counter() - t0)}", file=sys.stderr, flush=True)
     return 0
 

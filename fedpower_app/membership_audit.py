@@ -110,6 +110,10 @@ class AuditPlan:
         return rng.random(len(self.pool)) < 0.5, rng.random(len(self.canaries)) < 0.5
 
     def train_rows(self, run: int) -> dict[str, list[int]]:
+        if self.background_count and len(self.background) != self.background_count:
+            # a plan read from audit.json names its background without listing it: training needs
+            # the plan make_plan draws again from the audit seed
+            raise AuditError("this audit plan does not hold its background rows; make it with make_plan")
         keep, inc = self.coins(run)
         rows = list(self.background) + [r for r, k in zip(self.pool, keep) if k] + \
             [r for r, k in zip(self.canaries, inc) if k]

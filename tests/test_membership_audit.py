@@ -61,6 +61,8 @@ def test_audit_json_identifies_the_background_without_listing_it(tmp_path):
     # a resumed audit draws the background again from the audit seed: the same rows, the same digest
     assert loaded.comparable(tiny_plan(background=200, train_size=600)) == []
     assert loaded.background_summary() == plan.background_summary()
+    with pytest.raises(MA.AuditError, match="does not hold its background rows"):
+        loaded.train_rows(0)  # never train without the background it names
     # an older audit.json that lists the rows still loads and compares equal
     (tmp_path / "audit.json").write_text(json.dumps(asdict(plan)))
     assert MA.load_plan(tmp_path).comparable(plan) == []
