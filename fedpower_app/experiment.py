@@ -423,7 +423,7 @@ class Manifest:
     """``<out>/manifest.json``: grid, cells (status, overrides, seconds, attempts), invocations.
 
     Several in-process workers may share one grid (``--backend inprocess``, e.g. two at 1 thread
-    on 2 cores). So ``save`` merges under a file lock: this process's own cell entries (``ran``) and
+    on 2 cores). So ``save`` merges under a file lock: this process's own cell entries (``dirty``) and
     its invocation, the other processes' entries as they are on disk, every status fresh from the
     cells' results.json. Only entries written since the last save count as this process's: a cell
     another worker re-ran later keeps that worker's entry."""
