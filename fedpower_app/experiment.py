@@ -461,28 +461,39 @@ class GridBusy(GridError):
     """The grid (or a cell) is held by another fedpower-experiment process."""
 
 
+# flock cannot test a lock without taking it, so a probe (``_held``) holds a cell's lock for a few
+# microseconds. Another worker trying the lock in that instant must not take the probe for a
+# running cell: lock attempts retry for this long before they give up.
+PROBE_PATIENCE_S = 0.3
+
+
 def _held(out: Path, cell: "Cell") -> bool:
     """Whether another fedpower-experiment process is running ``cell`` now (it holds its lock)."""
-    lock = _try_lock(out / "locks" / f"{cell.cell_id}.lock")
+    lock = _try_lock(out / "locks" / f"{cell.cell_id}.lock", patience=PROBE_PATIENCE_S)
     if lock is None:
         return True
     lock.close()
     return False
 
 
-def _try_lock(path: Path, *, shared: bool = False):
+def _try_lock(path: Path, *, shared: bool = False, patience: float = 0.0):
     """An open file holding a non-blocking flock on ``path`` (released when the process exits or the
-    file is closed), or None when another process holds it."""
+    file is closed), or None when another process holds it. ``patience``: seconds to keep retrying
+    (a probe's momentary hold is not a running cell)."""
     import fcntl
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    fh = open(path, "a+")
-    try:
-        fcntl.flock(fh, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
-    except BlockingIOError:
-        fh.close()
-        return None
-    return fh
+    deadline = time.monotonic() + patience
+    while True:
+        fh = open(path, "a+")
+        try:
+            fcntl.flock(fh, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+            return fh
+        except BlockingIOError:
+            fh.close()
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(0.02)
 
 
 def _flwr_log_excerpt(output: str, ok: bool) -> str:
@@ -750,46 +761,50 @@ def run_grid(spec: GridSpec, out: Path, *, flwr_home: Path | None = None, port: 
         raise GridBusy(f"another fedpower-experiment is running the grid in {out}"
                        + (" (only --backend inprocess invocations can share a grid)" if spec.backend == "flwr" else
                           " with --backend flwr; wait for it to finish"))
-    gitignore = out / ".gitignore"
-    if not gitignore.exists():
-        gitignore.write_text("# written by fedpower-experiment: Flower state and model adapters are not results\n"
-                             "flwr-home/\ncells/*/adapter/\ncells/*/checkpoint.pt\ncells/*/inflight.json\n"
-                             "cells/*/final-eval-logits.pt\n*.tmp*\nlocks/\n.*.lock\n")
-    manifest_home = str(flwr_home)
-    manifest = Manifest(out)
-    manifest.data["format"] = FORMAT
-    manifest.data["grid"] = spec.to_dict()
-    manifest.data["project_root"] = str(PROJECT_ROOT)
-    manifest.data["flwr_home"] = manifest_home
-    manifest.data["superlink_port"] = port
-    invocation = {"id": manifest.invocation_id, "argv": list(argv) if argv is not None else None,
-                  "started_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "ran": [], "skipped": 0, "failed": []}
-    manifest.data["invocations"].append(invocation)
-    todo = [c for c in cells if not is_finished(out, c)]
-    for c in cells:
-        entry = manifest.data["cells"].setdefault(c.cell_id, {})
-        entry.setdefault("task", c.task)
-        entry.setdefault("method", c.method)
-        entry.setdefault("epsilon", "none" if c.epsilon is None else c.epsilon)
-        entry.setdefault("seed", c.seed)
-    invocation["skipped"] = len(cells) - len(todo)
-    manifest.save(cells)
-    if max_cells is not None and spec.backend == "flwr":
-        todo = todo[:max_cells]
-    # In-process invocations may share the grid: --max-cells counts the cells this one runs, not the
-    # ones another invocation holds, so it walks the whole list.
-    log(f"fedpower-experiment: {len(cells)} cells in the grid, {invocation['skipped']} already finished, "
-        f"{len(todo)} to run{'' if max_cells is None else f' (at most {max_cells} in this invocation)'} -> {out}")
-    previously_failed = [c.cell_id for c in todo if cell_status(out, c) not in ("missing",) and not _held(out, c)]
-    if previously_failed:
-        log(f"fedpower-experiment: re-running {len(previously_failed)} unfinished/failed cell(s): {', '.join(previously_failed)}")
+    try:  # the lock must not outlive a failure before the loop (its finally releases it after)
+        gitignore = out / ".gitignore"
+        if not gitignore.exists():
+            gitignore.write_text("# written by fedpower-experiment: Flower state and model adapters are not results\n"
+                                 "flwr-home/\ncells/*/adapter/\ncells/*/checkpoint.pt\ncells/*/inflight.json\n"
+                                 "cells/*/final-eval-logits.pt\n*.tmp*\nlocks/\n.*.lock\n")
+        manifest_home = str(flwr_home)
+        manifest = Manifest(out)
+        manifest.data["format"] = FORMAT
+        manifest.data["grid"] = spec.to_dict()
+        manifest.data["project_root"] = str(PROJECT_ROOT)
+        manifest.data["flwr_home"] = manifest_home
+        manifest.data["superlink_port"] = port
+        invocation = {"id": manifest.invocation_id, "argv": list(argv) if argv is not None else None,
+                      "started_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "ran": [], "skipped": 0, "failed": []}
+        manifest.data["invocations"].append(invocation)
+        todo = [c for c in cells if not is_finished(out, c)]
+        for c in cells:
+            entry = manifest.data["cells"].setdefault(c.cell_id, {})
+            entry.setdefault("task", c.task)
+            entry.setdefault("method", c.method)
+            entry.setdefault("epsilon", "none" if c.epsilon is None else c.epsilon)
+            entry.setdefault("seed", c.seed)
+        invocation["skipped"] = len(cells) - len(todo)
+        manifest.save(cells)
+        if max_cells is not None and spec.backend == "flwr":
+            todo = todo[:max_cells]
+        # In-process invocations may share the grid: --max-cells counts the cells this one runs, not the
+        # ones another invocation holds, so it walks the whole list.
+        log(f"fedpower-experiment: {len(cells)} cells in the grid, {invocation['skipped']} already finished, "
+            f"{len(todo)} to run{'' if max_cells is None else f' (at most {max_cells} in this invocation)'} -> {out}")
+        previously_failed = [c.cell_id for c in todo if cell_status(out, c) not in ("missing",) and not _held(out, c)]
+        if previously_failed:
+            log(f"fedpower-experiment: re-running {len(previously_failed)} unfinished/failed cell(s): {', '.join(previously_failed)}")
+    except BaseException:
+        grid_lock.close()
+        raise
     t_grid = time.time()
     durations: list[float] = []
     try:
         for i, cell in enumerate(todo, 1):
             if max_cells is not None and len(invocation["ran"]) >= max_cells:
                 break
-            cell_lock = _try_lock(out / "locks" / f"{cell.cell_id}.lock")
+            cell_lock = _try_lock(out / "locks" / f"{cell.cell_id}.lock", patience=PROBE_PATIENCE_S)
             if cell_lock is None or is_finished(out, cell):  # another invocation runs it, or has run it
                 log(f"[cell {i}/{len(todo)}] {cell.cell_id}: "
                     f"{'taken by another fedpower-experiment process' if cell_lock is None else 'finished meanwhile'}; skipped")
@@ -811,7 +826,11 @@ def run_grid(spec: GridSpec, out: Path, *, flwr_home: Path | None = None, port: 
             manifest.data["cells"][cell.cell_id] = entry
             manifest.dirty.add(cell.cell_id)
             invocation["ran"].append(cell.cell_id)
-            remaining = len(todo) - i
+            # this invocation's remaining work: not the cells other workers run or have finished, and
+            # no more than --max-cells allows
+            remaining = sum(1 for c in todo[i:] if not is_finished(out, c) and not _held(out, c))
+            if max_cells is not None:
+                remaining = min(remaining, max_cells - len(invocation["ran"]))
             eta = statistics.mean(durations) * remaining
             if entry["status"] in FINISHED:
                 data = read_results(results_path(out, cell)) or {}

@@ -343,6 +343,48 @@ def test_inprocess_workers_share_a_grid_cell_by_cell(tmp_path, monkeypatch):
     also_held.close()
 
 
+def test_grid_locks_tolerate_probes_failures_and_count_only_own_work(tmp_path, monkeypatch):
+    """A probe's momentary hold is not a running cell; a failure before the loop frees the grid lock;
+    the ETA counts only the cells this invocation can still run."""
+    import threading
+
+    path = tmp_path / "locks" / "c.lock"
+    probe = X._try_lock(path)  # another worker's _held probe, released a moment later
+    threading.Timer(0.05, probe.close).start()
+    lock = X._try_lock(path, patience=X.PROBE_PATIENCE_S)
+    assert lock is not None
+    assert X._try_lock(path, patience=0.05) is None  # a cell really running stays held
+    lock.close()
+
+    spec = tiny_spec(tables={"1": (["fedpower", "fedlora", "ffa-lora"], [8.0])}, backend="inprocess")
+
+    def broken_manifest(*a, **k):
+        raise OSError("disk full")
+
+    with monkeypatch.context() as m:
+        m.setattr(X, "Manifest", broken_manifest)
+        with pytest.raises(OSError, match="disk full"):
+            X.run_grid(spec, tmp_path, log=lambda msg: None)
+    exclusive = X._try_lock(tmp_path / ".grid.lock")
+    assert exclusive is not None  # not left held by the failed invocation
+    exclusive.close()
+
+    first, second, third = spec.cells()
+    held = X._try_lock(tmp_path / "locks" / f"{third.cell_id}.lock")  # another worker runs the third
+
+    def fake_run_cell(spec_, cell, out, **kw):
+        write_cell(out, cell, fake_results([0.6]))
+        return {"status": "completed", "seconds": 1.0}
+
+    monkeypatch.setattr(X, "run_cell", fake_run_cell)
+    logged: list[str] = []
+    summary = X.run_grid(spec, tmp_path, log=logged.append)
+    assert summary["ran"] == [first.cell_id, second.cell_id] and summary["running_elsewhere"] == [third.cell_id]
+    etas = [line.split("ETA ")[1] for line in logged if "ETA" in line]
+    assert etas[0].endswith("for 1 more") and etas[1].endswith("for 0 more")
+    held.close()
+
+
 def test_resume_skips_finished_cells(tmp_path, monkeypatch):
     spec = tiny_spec(tables={"1": (["fedpower", "fedlora"], [8.0])}, seeds=[0, 1])
     cells = spec.cells()
