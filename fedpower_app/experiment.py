@@ -484,15 +484,15 @@ def _try_lock(path: Path, *, shared: bool = False, patience: float = 0.0):
 
     path.parent.mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + patience
+    fh = open(path, "a+")
     while True:
-        fh = open(path, "a+")
         try:
             fcntl.flock(fh, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
             return fh
         except BlockingIOError:
-            fh.close()
-        if time.monotonic() >= deadline:
-            return None
+            if time.monotonic() >= deadline:
+                fh.close()
+                return None
         time.sleep(0.02)
 
 
