@@ -37,6 +37,18 @@ Examples:
   # per cell; a cell's log is cells/<id>/run.log), 2 torch threads
   fedpower-experiment --grid conf/grids/cross-device-sst2.toml --data-dir /work/shared/glue/SST-2
 
+Grid files (conf/grids/*.toml) hold the same settings as the flags, plus:
+
+  overrides = {...}            run-config keys for every cell (like --set)
+  [method-overrides.<method>]  run-config keys for one method's cells, applied last (e.g. FFA-LoRA,
+                               which trains only B, needs a larger "train.lr"); the keys that make a
+                               cell (method, epsilon, seed, task) cannot be set here
+  [table1] ... [table3]        per-table methods and epsilons; cell-timeout = seconds per cell
+
+A finished cell whose recorded settings (cells/<id>/cell.json) differ from what the grid now asks
+for is stale: --dry-run marks it, the tables leave it out, and the next run moves it to
+<out>/superseded/ and runs it again.
+
 Methods are strategy names (fedpower, fedlora, ffa-lora, input-perturbation, output-perturbation)
 or fedpower-F<n> (FedPower with PowerDP every n-th round, FedLoRA releases otherwise). Epsilons are
 positive numbers (dp.epsilon at the preset's dp.level, sample by default) or "none" (dp.level = none,
@@ -203,6 +215,8 @@ class GridSpec:
     supernodes: int = 6
     backend: str = "flwr"  # one of BACKENDS
     threads: int | None = None  # torch threads of an in-process cell (None: torch's default)
+    # run-config overrides of one method's cells (e.g. FFA-LoRA's own learning rate); applied last
+    method_overrides: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def blocks(self) -> list[tuple[str, list[str], list[float | None]]]:
         out = [(t, m, e) for t, (m, e) in sorted(self.tables.items())]
@@ -239,6 +253,7 @@ class GridSpec:
             "supernodes": self.supernodes,
             "backend": self.backend,
             "threads": self.threads,
+            "method_overrides": self.method_overrides,
         }
 
     @classmethod
@@ -250,7 +265,8 @@ class GridSpec:
                    custom=None if not custom else (list(custom["methods"]), [parse_epsilon(e) for e in custom["epsilons"]]),
                    preset=d.get("preset"), overrides=dict(d.get("overrides") or {}), data_dir=d.get("data_dir"),
                    nonprivate_lr=d.get("nonprivate_lr"), supernodes=int(d.get("supernodes", 6)),
-                   backend=str(d.get("backend", "flwr")), threads=d.get("threads"))
+                   backend=str(d.get("backend", "flwr")), threads=d.get("threads"),
+                   method_overrides={str(m): dict(v) for m, v in (d.get("method_overrides") or {}).items()})
 
 
 def _resolve_path(path: str, base: Path) -> str:
@@ -285,10 +301,17 @@ def cell_overrides(spec: GridSpec, cell: Cell, out: Path) -> dict[str, Any]:
         if ov.get("dp.level", "sample") == "none":
             ov["dp.level"] = "sample"
         ov["dp.epsilon"] = float(cell.epsilon)
+    ov.update(spec.method_overrides.get(cell.method, {}))
     ov["seed"] = int(cell.seed)
     ov["run-name"] = cell.cell_id
     ov["output-dir"] = str((out / "cells").resolve())
     return ov
+
+
+# Run-config keys a cell's identity sets (method, epsilon, seed, task, location): a per-method
+# override may not change them.
+_CELL_KEYS = frozenset({"strategy.name", "strategy.refactor-every", "strategy.client-refactorization", "dp.level",
+                        "dp.epsilon", "seed", "run-name", "output-dir", "task.name", "task.data-dir", "resume"})
 
 
 def validate(spec: GridSpec, out: Path) -> list[Cell]:
@@ -309,6 +332,17 @@ def validate(spec: GridSpec, out: Path) -> list[Cell]:
             raise GridError("empty epsilon list")
         for m in methods:
             method_overrides(m)
+    in_grid = {canonical_method(m) for _, methods, _ in spec.blocks() for m in methods}
+    for m, ov in spec.method_overrides.items():
+        if m not in in_grid:
+            raise GridError(f"method-overrides for {m!r}, which is not a method of this grid "
+                            f"({', '.join(sorted(in_grid))})")
+        if not isinstance(ov, dict) or not ov:
+            raise GridError(f"method-overrides.{m}: a table of run-config keys expected, e.g. \"train.lr\" = 0.03")
+        fixed = sorted(set(ov) & _CELL_KEYS)
+        if fixed:
+            raise GridError(f"method-overrides.{m}: {', '.join(fixed)} define(s) the cell (method, epsilon, seed, "
+                            "task, where it runs) and cannot be overridden per method")
     if spec.preset:
         for task in spec.tasks:
             p = Path(spec.preset.replace("{task}", task))
@@ -356,6 +390,58 @@ def cell_status(out: Path, cell: Cell) -> str:
 
 def is_finished(out: Path, cell: Cell) -> bool:
     return cell_status(out, cell) in FINISHED
+
+
+# Keys that say where a cell runs, not what it computes: a change in them does not make a result stale.
+_LOCATION_KEYS = frozenset({"task.data-dir", "output-dir", "run-name", "resume"})
+_UNSET = "(unset)"
+
+
+def config_changes(spec: GridSpec, cell: Cell, out: Path) -> list[str]:
+    """How the settings a finished cell's results were made with differ from what the grid asks for
+    now, as ``key: old -> new``. Only the keys that either side sets explicitly (its ``cell.json``
+    overrides, the grid's) are compared, by resolved value: pinning a key to the default the old run
+    used is not a change. A key the old run's code did not know yet (absent from its resolved config)
+    cannot be compared and is skipped. Empty for a cell without a record (nothing to compare)."""
+    cell_dir = out / "cells" / cell.cell_id
+    old = (read_results(cell_dir / "cell.json") or {}).get("overrides")
+    if not isinstance(old, dict):
+        return []
+    old_resolved = (read_results(cell_dir / "results.json") or {}).get("config") or {}
+    new = cell_overrides(spec, cell, out)
+    try:
+        new_resolved = parse_config(new).to_dict()
+    except ConfigError:  # validate() reports it; here it only means "not the same run"
+        new_resolved = new
+    changes = []
+    for k in sorted((set(old) | set(new)) - _LOCATION_KEYS):
+        before = old_resolved.get(k, old.get(k, _UNSET))
+        after = new_resolved.get(k, new.get(k, _UNSET))
+        if before is _UNSET and k in new:  # a key the old run's code did not have yet: cannot compare
+            continue
+        if before != after:
+            changes.append(f"{k}: {before!r} -> {after!r}")
+    return changes
+
+
+def is_done(spec: GridSpec, cell: Cell, out: Path) -> bool:
+    """Finished with the settings the grid asks for now (a finished but stale cell runs again)."""
+    return is_finished(out, cell) and not config_changes(spec, cell, out)
+
+
+def supersede(cell_dir: Path, out: Path) -> Path:
+    """Move a stale finished cell's directory to ``<out>/superseded/<cell-id>__<time>/``: results are
+    never deleted, and RESULTS.md may still cite the old run."""
+    dest_root = out / "superseded"
+    dest_root.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%dT%H%M%S")
+    dest = dest_root / f"{cell_dir.name}__{stamp}"
+    n = 1
+    while dest.exists():
+        n += 1
+        dest = dest_root / f"{cell_dir.name}__{stamp}-{n}"
+    shutil.move(str(cell_dir), str(dest))
+    return dest
 
 
 def _inside(path: Path, root: Path) -> bool:
@@ -510,8 +596,12 @@ def run_cell(spec: GridSpec, cell: Cell, out: Path, *, flwr_home: Path, port: in
     cell_dir = out / "cells" / cell.cell_id
     overrides = cell_overrides(spec, cell, out)
     resume_from = resumable_round(cell_dir, overrides)
-    if resume_from is None and cell_dir.exists():  # a failed attempt, or one without a usable checkpoint
-        shutil.rmtree(cell_dir)
+    if resume_from is None and cell_dir.exists():
+        if cell_status(out, cell) in FINISHED:  # stale: made with other settings; keep it aside
+            moved = supersede(cell_dir, out)
+            print(f"  {cell.cell_id}: its earlier results (other settings) moved to {moved}", flush=True)
+        else:  # a failed attempt, or one without a usable checkpoint
+            shutil.rmtree(cell_dir)
     cell_dir.mkdir(parents=True, exist_ok=True)
     entry: dict[str, Any] = {"task": cell.task, "method": cell.method,
                              "epsilon": "none" if cell.epsilon is None else cell.epsilon, "seed": cell.seed,
@@ -777,7 +867,8 @@ def run_grid(spec: GridSpec, out: Path, *, flwr_home: Path | None = None, port: 
         invocation = {"id": manifest.invocation_id, "argv": list(argv) if argv is not None else None,
                       "started_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "ran": [], "skipped": 0, "failed": []}
         manifest.data["invocations"].append(invocation)
-        todo = [c for c in cells if not is_finished(out, c)]
+        todo = [c for c in cells if not is_done(spec, c, out)]
+        stale = {c.cell_id: config_changes(spec, c, out) for c in todo if is_finished(out, c)}
         for c in cells:
             entry = manifest.data["cells"].setdefault(c.cell_id, {})
             entry.setdefault("task", c.task)
@@ -792,7 +883,12 @@ def run_grid(spec: GridSpec, out: Path, *, flwr_home: Path | None = None, port: 
         # ones another invocation holds, so it walks the whole list.
         log(f"fedpower-experiment: {len(cells)} cells in the grid, {invocation['skipped']} already finished, "
             f"{len(todo)} to run{'' if max_cells is None else f' (at most {max_cells} in this invocation)'} -> {out}")
-        previously_failed = [c.cell_id for c in todo if cell_status(out, c) not in ("missing",) and not _held(out, c)]
+        if stale:
+            log(f"fedpower-experiment: {len(stale)} finished cell(s) were made with other settings and run again "
+                f"(the old results move to {out / 'superseded'}/): "
+                + "; ".join(f"{cid} ({', '.join(ch)})" for cid, ch in stale.items()))
+        previously_failed = [c.cell_id for c in todo if cell_status(out, c) not in ("missing",)
+                             and c.cell_id not in stale and not _held(out, c)]
         if previously_failed:
             log(f"fedpower-experiment: re-running {len(previously_failed)} unfinished/failed cell(s): {', '.join(previously_failed)}")
     except BaseException:
@@ -805,7 +901,7 @@ def run_grid(spec: GridSpec, out: Path, *, flwr_home: Path | None = None, port: 
             if max_cells is not None and len(invocation["ran"]) >= max_cells:
                 break
             cell_lock = _try_lock(out / "locks" / f"{cell.cell_id}.lock", patience=PROBE_PATIENCE_S)
-            if cell_lock is None or is_finished(out, cell):  # another invocation runs it, or has run it
+            if cell_lock is None or is_done(spec, cell, out):  # another invocation runs it, or has run it
                 log(f"[cell {i}/{len(todo)}] {cell.cell_id}: "
                     f"{'taken by another fedpower-experiment process' if cell_lock is None else 'finished meanwhile'}; skipped")
                 if cell_lock is not None:
@@ -828,7 +924,7 @@ def run_grid(spec: GridSpec, out: Path, *, flwr_home: Path | None = None, port: 
             invocation["ran"].append(cell.cell_id)
             # this invocation's remaining work: not the cells other workers run or have finished, and
             # no more than --max-cells allows
-            remaining = sum(1 for c in todo[i:] if not is_finished(out, c) and not _held(out, c))
+            remaining = sum(1 for c in todo[i:] if not is_done(spec, c, out) and not _held(out, c))
             if max_cells is not None:
                 remaining = min(remaining, max_cells - len(invocation["ran"]))
             eta = statistics.mean(durations) * remaining
@@ -858,7 +954,7 @@ def run_grid(spec: GridSpec, out: Path, *, flwr_home: Path | None = None, port: 
         if todo and spec.backend == "flwr":
             stop_local_superlink(flwr_home)
         grid_lock.close()
-    unfinished = [c.cell_id for c in cells if not is_finished(out, c)]
+    unfinished = [c.cell_id for c in cells if not is_done(spec, c, out)]
     # cells another in-process worker is running now: not this invocation's failures
     running_elsewhere = [c.cell_id for c in cells if c.cell_id in unfinished and _held(out, c)]
     return {"cells": len(cells), "ran": invocation["ran"], "skipped": invocation["skipped"],
@@ -947,11 +1043,14 @@ class Collected:
         return self.runs.get((task, method, eps), {})
 
 
-def collect(out: Path, cells: Sequence[Cell]) -> Collected:
+def collect(out: Path, cells: Sequence[Cell], spec: GridSpec | None = None) -> Collected:
+    """The finished cells' results; with ``spec``, without the stale ones (made with other settings)."""
     runs: dict[tuple[str, str, float | None], dict[int, dict[str, Any]]] = {}
     for cell in cells:
         data = read_results(results_path(out, cell))
         if data is None or data.get("status") not in FINISHED:
+            continue
+        if spec is not None and config_changes(spec, cell, out):
             continue
         runs.setdefault((cell.task, cell.method, cell.epsilon), {})[cell.seed] = data
     return Collected(runs)
@@ -1207,8 +1306,9 @@ def plot_curves(collected: Collected, task: str, eps: float | None, methods: Seq
 def write_report(spec: GridSpec, out: Path) -> dict[str, list[str]]:
     """Write the tables and figures of the grid from the finished cells; return what was written."""
     cells = spec.cells()
-    collected = collect(out, cells)
-    written: dict[str, list[str]] = {"tables": [], "figures": []}
+    collected = collect(out, cells, spec)
+    written: dict[str, list[str]] = {"tables": [], "figures": [],
+                                     "stale": [c.cell_id for c in cells if is_finished(out, c) and config_changes(spec, c, out)]}
     for block, methods, epsilons in spec.blocks():
         methods = [canonical_method(m) for m in methods]
         if block == "3":
@@ -1256,8 +1356,8 @@ def _load_grid_file(path: str) -> dict[str, Any]:
         raise GridError(f"grid file {path}: {exc}") from None
 
 
-_GRID_KEYS = {"out", "cell-timeout", "preset", "tasks", "seeds", "methods", "epsilons", "overrides", "data-dir", "nonprivate-lr",
-              "supernodes", "backend", "threads", "table1", "table2", "table3"}
+_GRID_KEYS = {"out", "cell-timeout", "preset", "tasks", "seeds", "methods", "epsilons", "overrides", "method-overrides",
+              "data-dir", "nonprivate-lr", "supernodes", "backend", "threads", "table1", "table2", "table3"}
 
 
 def _parse_set(items: Sequence[str]) -> dict[str, Any]:
@@ -1321,9 +1421,13 @@ def build_spec(args: argparse.Namespace) -> tuple[GridSpec, Path]:
         eps = cli_eps or file_eps
         if methods or eps:
             custom = (list(methods or TABLE_METHODS["1"]), eps or TABLE_EPSILONS["1"])
+    per_method = g.get("method-overrides") or {}
+    if not isinstance(per_method, dict):
+        raise GridError("method-overrides: a table of methods expected, e.g. [method-overrides.ffa-lora]")
     spec = GridSpec(tasks=list(tasks), seeds=seeds, tables=tables, custom=custom, preset=preset,
                     overrides=overrides, data_dir=data_dir or None, nonprivate_lr=nonprivate_lr, supernodes=supernodes,
-                    backend=str(backend), threads=None if threads is None else int(threads))
+                    backend=str(backend), threads=None if threads is None else int(threads),
+                    method_overrides={str(m): (dict(v) if isinstance(v, dict) else v) for m, v in per_method.items()})
     return spec, out_path
 
 
@@ -1398,7 +1502,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.dry_run:
         print(f"{len(cells)} cells -> {out}")
         for i, c in enumerate(cells, 1):
-            print(f"  {i:3d}. {c.cell_id:45s} {cell_status(out, c)}")
+            status = cell_status(out, c)
+            changes = config_changes(spec, c, out) if status in FINISHED else []
+            print(f"  {i:3d}. {c.cell_id:45s} {status}"
+                  + (f" but STALE, runs again ({', '.join(changes)})" if changes else ""))
         return 0
     summary = None
     if not args.report_only:
@@ -1423,6 +1530,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     written = write_report(spec, out)
     print(f"fedpower-experiment: wrote {', '.join(t + '.md/.csv' for t in written['tables'])} and "
           f"{len(written['figures'])} figure(s) in {out}")
+    if written["stale"]:
+        print(f"fedpower-experiment: left out of the tables, made with other settings than the grid's (run the grid "
+              f"to redo them): {', '.join(written['stale'])}", file=sys.stderr)
     if summary is not None:
         print(f"fedpower-experiment: ran {len(summary['ran'])} cell(s) in {_fmt_seconds(summary['seconds'])}, "
               f"skipped {summary['skipped']} finished")

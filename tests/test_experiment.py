@@ -729,3 +729,96 @@ def test_tiny_grid_end_to_end(tmp_path, capsys):
     assert X.main(argv) == 0
     printed = capsys.readouterr().out
     assert "2 already finished, 0 to run" in printed and "[cell" not in printed
+
+
+# ------------------------------------------------------------------------------------------------
+# per-method overrides and stale cells (a grid edited after some cells finished)
+# ------------------------------------------------------------------------------------------------
+
+def _finished_cell(out: Path, spec: X.GridSpec, cell: X.Cell, acc=0.7) -> Path:
+    """What a finished run leaves: results.json with its resolved config, cell.json with its overrides."""
+    ov = X.cell_overrides(spec, cell, out)
+    payload = fake_results([acc - 0.1, acc])
+    payload["config"] = parse_config(ov).to_dict()
+    write_cell(out, cell, payload)
+    cell_dir = out / "cells" / cell.cell_id
+    (cell_dir / "cell.json").write_text(json.dumps({"overrides": ov, "status": "completed"}))
+    return cell_dir
+
+
+def test_method_overrides_from_a_grid_file_and_their_checks(tmp_path):
+    grid = tmp_path / "g.toml"
+    grid.write_text(f'out = "{tmp_path / "o"}"\npreset = "{TINY}"\ntasks = ["synthetic"]\nmethods = ["fedlora", "ffa-lora"]\n'
+                    'epsilons = [8, "none"]\nnonprivate-lr = 0.001\n[method-overrides.ffa-lora]\n"train.lr" = 0.03\n')
+    spec, out = X.build_spec(X.make_parser().parse_args(["--grid", str(grid)]))
+    cells = {c.cell_id: c for c in X.validate(spec, out)}
+    lr = {cid: X.cell_overrides(spec, c, out)["train.lr"] for cid, c in cells.items()}
+    # FFA-LoRA's own lr wins in its private and non-private cells; the others keep the grid's
+    assert lr == {"synthetic__fedlora__eps8__s0": load_preset(TINY)["train.lr"], "synthetic__ffa-lora__eps8__s0": 0.03,
+                  "synthetic__fedlora__nonprivate__s0": 0.001, "synthetic__ffa-lora__nonprivate__s0": 0.03}
+    assert X.GridSpec.from_dict(json.loads(json.dumps(spec.to_dict()))).method_overrides == {"ffa-lora": {"train.lr": 0.03}}
+    for bad, message in [({"fedpower": {"train.lr": 0.1}}, "not a method of this grid"),
+                         ({"ffa-lora": {"dp.epsilon": 1.0}}, "define.*cell"),
+                         ({"ffa-lora": {"strategy.name": "fedlora"}}, "define.*cell"),
+                         ({"ffa-lora": {}}, "table of run-config keys"),
+                         ({"ffa-lora": {"train.lr": -1.0}}, "train.lr")]:
+        spec.method_overrides = bad
+        with pytest.raises(X.GridError, match=message):
+            X.validate(spec, out)
+
+
+def test_stale_cells_are_detected_left_out_of_tables_and_rerun_without_losing_the_old_results(tmp_path, monkeypatch):
+    old = tiny_spec(tables={}, custom=(["fedlora", "ffa-lora"], [8.0]))
+    fedlora, ffa = old.cells()
+    for cell in (fedlora, ffa):
+        _finished_cell(tmp_path, old, cell)
+    assert X.config_changes(old, ffa, tmp_path) == [] and X.is_done(old, ffa, tmp_path)
+    # pinning a key to the value the old run used (a default) is no change; a new lr for FFA is
+    pinned = tiny_spec(tables={}, custom=old.custom, overrides={"train.optimizer": "adam"})
+    assert X.config_changes(pinned, ffa, tmp_path) == []
+    new = tiny_spec(tables={}, custom=old.custom, method_overrides={"ffa-lora": {"train.lr": 0.03}})
+    old_lr = load_preset(TINY)["train.lr"]
+    assert X.config_changes(new, ffa, tmp_path) == [f"train.lr: {old_lr!r} -> 0.03"]
+    assert X.config_changes(new, fedlora, tmp_path) == [] and not X.is_done(new, ffa, tmp_path)
+    # a key the old run's code did not know (absent from its resolved config) cannot be compared
+    res = json.loads(X.results_path(tmp_path, ffa).read_text())
+    del res["config"]["train.optimizer"]
+    X.results_path(tmp_path, ffa).write_text(json.dumps(res))
+    assert X.config_changes(pinned, ffa, tmp_path) == []
+    # --dry-run marks it; the tables leave it out and say so
+    written = X.write_report(new, tmp_path)
+    assert written["stale"] == [ffa.cell_id]
+    table = (tmp_path / "table_custom.md").read_text()
+    assert "| ε = 8 | FedLoRA | 70.00 | 1 |" in table and "| ε = 8 | FFA-LoRA | — |" in table
+    # the grid runs only the stale cell, and its old results move aside, not away
+    import fedpower_app.launcher as L
+
+    from types import SimpleNamespace
+
+    def run_flwr(root, overrides, **kw):  # a finished run records its resolved config
+        payload = fake_results([0.6, 0.75])
+        payload["config"] = parse_config(overrides).to_dict()
+        write_cell(tmp_path, ffa, payload)
+        return SimpleNamespace(run_id=7, status="finished:completed", seconds=1.0, output="")
+
+    monkeypatch.setattr(L, "run_flwr", run_flwr)
+    monkeypatch.setattr(L, "stop_local_superlink", lambda *a, **k: None)
+    logs = []
+    summary = X.run_grid(new, tmp_path, log=logs.append)
+    assert summary["ran"] == [ffa.cell_id] and summary["skipped"] == 1 and summary["unfinished"] == []
+    assert any("1 finished cell(s) were made with other settings" in line and "train.lr" in line for line in logs)
+    assert not any("re-running" in line for line in logs)  # stale is not failed
+    moved = list((tmp_path / "superseded").iterdir())
+    assert len(moved) == 1 and moved[0].name.startswith(ffa.cell_id + "__")
+    assert json.loads((moved[0] / "cell.json").read_text())["overrides"]["train.lr"] == old_lr
+    assert json.loads((tmp_path / "cells" / ffa.cell_id / "cell.json").read_text())["overrides"]["train.lr"] == 0.03
+    assert X.is_done(new, ffa, tmp_path) and X.write_report(new, tmp_path)["stale"] == []
+
+
+def test_dry_run_marks_stale_cells(tmp_path, capsys):
+    argv = ["--methods", "fedlora", "--epsilons", "8", "--tasks", "synthetic", "--preset", TINY, "--out", str(tmp_path)]
+    spec, out = X.build_spec(X.make_parser().parse_args(argv))
+    _finished_cell(out, spec, spec.cells()[0])
+    assert X.main(argv + ["--dry-run"]) == 0 and "STALE" not in capsys.readouterr().out
+    assert X.main(argv + ["--set", "train.lr=0.5", "--dry-run"]) == 0
+    assert "completed but STALE, runs again (train.lr:" in capsys.readouterr().out
