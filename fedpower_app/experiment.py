@@ -1427,7 +1427,8 @@ def build_spec(args: argparse.Namespace) -> tuple[GridSpec, Path]:
     spec = GridSpec(tasks=list(tasks), seeds=seeds, tables=tables, custom=custom, preset=preset,
                     overrides=overrides, data_dir=data_dir or None, nonprivate_lr=nonprivate_lr, supernodes=supernodes,
                     backend=str(backend), threads=None if threads is None else int(threads),
-                    method_overrides={str(m): (dict(v) if isinstance(v, dict) else v) for m, v in per_method.items()})
+                    method_overrides={canonical_method(str(m)): (dict(v) if isinstance(v, dict) else v)
+                                      for m, v in per_method.items()})
     return spec, out_path
 
 
