@@ -853,8 +853,8 @@ def run_grid(spec: GridSpec, out: Path, *, flwr_home: Path | None = None, port: 
         gitignore = out / ".gitignore"
         if not gitignore.exists():
             gitignore.write_text("# written by fedpower-experiment: Flower state and model adapters are not results\n"
-                                 "flwr-home/\ncells/*/adapter/\ncells/*/checkpoint.pt\ncells/*/inflight.json\n"
-                                 "cells/*/final-eval-logits.pt\n*.tmp*\nlocks/\n.*.lock\n")
+                                 "flwr-home/\n*/*/adapter/\n*/*/checkpoint.pt\n*/*/inflight.json\n"
+                                 "*/*/final-eval-logits.pt\n*.tmp*\nlocks/\n.*.lock\n")  # cells/ and superseded/
         manifest_home = str(flwr_home)
         manifest = Manifest(out)
         manifest.data["format"] = FORMAT
