@@ -1036,6 +1036,7 @@ class Collected:
     """Finished runs by (task, method, epsilon): seed -> results.json data."""
 
     runs: dict[tuple[str, str, float | None], dict[int, dict[str, Any]]]
+    stale: list[str] = field(default_factory=list)  # finished cells left out: made with other settings
 
     def get(self, task: str, method: str, eps: float | None) -> dict[int, dict[str, Any]]:
         return self.runs.get((task, method, eps), {})
@@ -1044,14 +1045,16 @@ class Collected:
 def collect(out: Path, cells: Sequence[Cell], spec: GridSpec | None = None) -> Collected:
     """The finished cells' results; with ``spec``, without the stale ones (made with other settings)."""
     runs: dict[tuple[str, str, float | None], dict[int, dict[str, Any]]] = {}
+    stale: list[str] = []
     for cell in cells:
         data = read_results(results_path(out, cell))
         if data is None or data.get("status") not in FINISHED:
             continue
         if spec is not None and config_changes(spec, cell, out):
+            stale.append(cell.cell_id)
             continue
         runs.setdefault((cell.task, cell.method, cell.epsilon), {})[cell.seed] = data
-    return Collected(runs)
+    return Collected(runs, stale)
 
 
 def task_columns(collected: Collected, tasks: Sequence[str]) -> list[tuple[str, str, str]]:
@@ -1305,8 +1308,7 @@ def write_report(spec: GridSpec, out: Path) -> dict[str, list[str]]:
     """Write the tables and figures of the grid from the finished cells; return what was written."""
     cells = spec.cells()
     collected = collect(out, cells, spec)
-    written: dict[str, list[str]] = {"tables": [], "figures": [],
-                                     "stale": [c.cell_id for c in cells if is_finished(out, c) and config_changes(spec, c, out)]}
+    written: dict[str, list[str]] = {"tables": [], "figures": [], "stale": collected.stale}
     for block, methods, epsilons in spec.blocks():
         methods = [canonical_method(m) for m in methods]
         if block == "3":
