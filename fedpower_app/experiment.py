@@ -50,7 +50,10 @@ for is stale: --dry-run marks it, the tables leave it out, and the next run move
 <out>/superseded/ and runs it again.
 
 Methods are strategy names (fedpower, fedlora, ffa-lora, input-perturbation, output-perturbation)
-or fedpower-F<n> (FedPower with PowerDP every n-th round, FedLoRA releases otherwise). Epsilons are
+or fedpower-F<n> (FedPower with PowerDP every n-th round, FedLoRA releases otherwise), or
+fedpower-powerdp (FedPower refactorizing with the paper's PowerDP at client level, an ablation; at
+any other DP level it is FedPower's run, so the grid runs that cell once and marks the shared row
+with †). Epsilons are
 positive numbers (dp.epsilon at the preset's dp.level, sample by default) or "none" (dp.level = none,
 optionally with its own learning rate, --nonprivate-lr; the paper uses 0.05 vs 0.5 private).
 """
@@ -130,6 +133,11 @@ def method_overrides(method: str) -> dict[str, Any]:
         return {"strategy.name": "fedpower", "strategy.refactor-every": int(m.group(1))}
     raise GridError(f"unknown method {method!r}: use one of {', '.join(STRATEGIES)}, fedpower-F<n> (n >= 1) or "
                     "fedpower-powerdp")
+
+
+# Methods that differ from a base method only in how client-level DP noises the release: at any
+# other DP level (sample, none) their cell is the base method's cell, run once and shared.
+CLIENT_LEVEL_VARIANTS = {"fedpower-powerdp": "fedpower"}
 
 
 def canonical_method(method: str) -> str:
@@ -224,19 +232,54 @@ class GridSpec:
             out.append(("custom", *self.custom))
         return out
 
+    def dp_level(self, task: str, eps: float | None) -> str:
+        """The DP level a cell at ``eps`` runs at: none without epsilon, else the preset's (and the
+        grid overrides') dp.level, sample by default (as cell_overrides sets it)."""
+        if eps is None:
+            return "none"
+        level = "sample"
+        if self.preset:
+            level = load_preset(self.preset.replace("{task}", task)).get("dp.level", level)
+        level = self.overrides.get("dp.level", level)
+        return "sample" if level == "none" else str(level)
+
+    def cell_for(self, task: str, method: str, eps: float | None, seed: int) -> Cell:
+        """The cell that computes (task, method, eps, seed). A client-level variant (the paper's
+        PowerDP in FedPower) away from client-level DP is the same run as its base method, so the
+        base's cell serves both (unless a per-method override makes the two runs differ)."""
+        method = canonical_method(method)
+        base = CLIENT_LEVEL_VARIANTS.get(method)
+        if (base is not None and self.method_overrides.get(method, {}) == self.method_overrides.get(base, {})
+                and self.dp_level(task, eps) != "client"):
+            method = base
+        return Cell(task, method, eps, seed)
+
     def cells(self) -> list[Cell]:
-        """All cells, deduplicated (a FedPower cell at epsilon 6 serves Tables 1, 2 and 3), in a
-        stable order: by table block, seed, epsilon, task, method, so that early seeds of every
-        method finish first (a partial grid already gives comparable numbers)."""
+        """All cells, deduplicated (a FedPower cell at epsilon 6 serves Tables 1, 2 and 3; FedPower
+        with the paper's PowerDP without DP is FedPower without DP), in a stable order: by table
+        block, seed, epsilon, task, method, so that early seeds of every method finish first (a
+        partial grid already gives comparable numbers)."""
         seen: dict[str, Cell] = {}
         for _, methods, epsilons in self.blocks():
             for seed in self.seeds:
                 for eps in epsilons:
                     for task in self.tasks:
                         for method in methods:
-                            cell = Cell(task, canonical_method(method), eps, seed)
+                            cell = self.cell_for(task, method, eps, seed)
                             seen.setdefault(cell.cell_id, cell)
         return list(seen.values())
+
+    def shared_rows(self) -> dict[tuple[str, str, float | None], str]:
+        """Table rows served by another method's cells: (task, method, eps) -> the method run."""
+        out: dict[tuple[str, str, float | None], str] = {}
+        for _, methods, epsilons in self.blocks():
+            for eps in epsilons:
+                for task in self.tasks:
+                    for method in methods:
+                        run = self.cell_for(task, method, eps, self.seeds[0] if self.seeds else 0).method
+                        if run != canonical_method(method):
+                            out[(task, canonical_method(method), eps)] = run
+        return out
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -1037,8 +1080,10 @@ class Collected:
 
     runs: dict[tuple[str, str, float | None], dict[int, dict[str, Any]]]
     stale: list[str] = field(default_factory=list)  # finished cells left out: made with other settings
+    shared: dict[tuple[str, str, float | None], str] = field(default_factory=dict)  # GridSpec.shared_rows
 
     def get(self, task: str, method: str, eps: float | None) -> dict[int, dict[str, Any]]:
+        method = self.shared.get((task, method, eps), method)
         return self.runs.get((task, method, eps), {})
 
 
@@ -1054,7 +1099,7 @@ def collect(out: Path, cells: Sequence[Cell], spec: GridSpec | None = None) -> C
             stale.append(cell.cell_id)
             continue
         runs.setdefault((cell.task, cell.method, cell.epsilon), {})[cell.seed] = data
-    return Collected(runs, stale)
+    return Collected(runs, stale, spec.shared_rows() if spec is not None else {})
 
 
 def task_columns(collected: Collected, tasks: Sequence[str]) -> list[tuple[str, str, str]]:
@@ -1147,6 +1192,7 @@ def accuracy_table(collected: Collected, tasks: Sequence[str], methods: Sequence
         csv_headers += ["average_mean", "average_std", "average_n"]
     csv_headers += ["epsilon_spent_mean", "z_mean"]
     rows, csv_rows = [], []
+    shared_notes: set[str] = set()
     for eps in sorted(set(epsilons), key=_eps_sort_key):
         for method in methods:
             method = canonical_method(method)
@@ -1170,6 +1216,12 @@ def accuracy_table(collected: Collected, tasks: Sequence[str], methods: Sequence
             row.append(str(min(ns)) if ns and min(ns) == max(ns) else f"{min(ns) if ns else 0}–{max(ns) if ns else 0}")
             row.append("—" if not spent else f"{statistics.mean(spent):.3f}")
             crow += [statistics.mean(spent) if spent else None, statistics.mean(zs) if zs else None]
+            run_by = {collected.shared[(t, method, eps)] for t in tasks if (t, method, eps) in collected.shared}
+            if run_by:
+                row[1] += " †"
+                shared_notes.add(f"† {method_label(method)} at {eps_label(eps)} is the run of "
+                                 f"{', '.join(method_label(m) for m in sorted(run_by))}: the two differ only in "
+                                 "the client-level DP release, so one cell serves both rows.")
             rows.append(row)
             csv_rows.append(crow)
     init_parts = []
@@ -1189,6 +1241,9 @@ def accuracy_table(collected: Collected, tasks: Sequence[str], methods: Sequence
              + ("Average = mean over the task columns per seed (seeds that finished every task), then mean ± std. " if multi else "")
              + "ε spent = accountant's ε after the last round (target in the first column), δ from the config; "
              "— = no finished run."]
+    if shared_notes:
+        notes.append("")
+        notes.extend(sorted(shared_notes))
     if init_parts:
         notes.append("")
         notes.append("Initial model (round 0, LoRA B = 0, untrained frozen head), per seed: " + "; ".join(init_parts) + ".")
@@ -1268,8 +1323,11 @@ def plot_curves(collected: Collected, task: str, eps: float | None, methods: Seq
     import matplotlib.pyplot as plt
 
     series = []
+    canon = [canonical_method(m) for m in methods]
     for method in methods:
         method = canonical_method(method)
+        if collected.shared.get((task, method, eps)) in canon:  # the same run as another line of this plot
+            continue
         seeds = collected.get(task, method, eps)
         if seeds:
             series.append((method, len(seeds), *mean_curve(seeds)))

@@ -824,3 +824,33 @@ def test_dry_run_marks_stale_cells(tmp_path, capsys):
     assert X.main(argv + ["--dry-run"]) == 0 and "STALE" not in capsys.readouterr().out
     assert X.main(argv + ["--set", "train.lr=0.5", "--dry-run"]) == 0
     assert "completed but STALE, runs again (train.lr:" in capsys.readouterr().out
+
+
+def test_client_level_variant_shares_its_base_cell_away_from_client_dp(tmp_path):
+    """FedPower with the paper's PowerDP differs from FedPower only in the client-level release:
+    without DP (or at sample level) it is the same run, so the grid runs it once and both rows
+    show it, marked; a per-method override that makes the runs differ keeps them apart."""
+    methods = ["fedpower", "fedpower-powerdp"]
+    client = tiny_spec(tables={}, custom=(methods, [8.0, None]), seeds=[0, 1], overrides={"dp.level": "client"})
+    ids = [c.cell_id for c in X.validate(client, tmp_path)]
+    assert ids == ["synthetic__fedpower__eps8__s0", "synthetic__fedpower-powerdp__eps8__s0",
+                   "synthetic__fedpower__nonprivate__s0", "synthetic__fedpower__eps8__s1",
+                   "synthetic__fedpower-powerdp__eps8__s1", "synthetic__fedpower__nonprivate__s1"]
+    assert client.shared_rows() == {("synthetic", "fedpower-powerdp", None): "fedpower"}
+    # at sample level the variant does not exist: both methods are one cell at every epsilon
+    sample = tiny_spec(tables={}, custom=(methods, [8.0]), overrides={"dp.level": "sample"})
+    assert [c.cell_id for c in sample.cells()] == ["synthetic__fedpower__eps8__s0"]
+    # its own settings make it a different run again
+    own = tiny_spec(tables={}, custom=(methods, [None]), method_overrides={"fedpower-powerdp": {"train.lr": 0.03}})
+    assert [c.cell_id for c in own.cells()] == ["synthetic__fedpower__nonprivate__s0",
+                                                "synthetic__fedpower-powerdp__nonprivate__s0"]
+    # the table shows the shared run in both rows, marked and explained
+    for cell, acc in zip(client.cells(), (0.6, 0.5, 0.8, 0.6, 0.5, 0.8)):
+        _finished_cell(tmp_path, client, cell, acc)
+    written = X.write_report(client, tmp_path)
+    assert written["stale"] == [] and "fig_custom_synthetic_nonprivate.png" in written["figures"]
+    table = (tmp_path / "table_custom.md").read_text()
+    assert "| non-private | FedPower | 80.00 ± 0.00 | 2 |" in table
+    assert "| non-private | FedPower (paper's PowerDP) † | 80.00 ± 0.00 | 2 |" in table
+    assert "| ε = 8 | FedPower (paper's PowerDP) | 50.00 ± 0.00 | 2 |" in table
+    assert "† FedPower (paper's PowerDP) at non-private is the run of FedPower" in table
