@@ -189,7 +189,7 @@ def test_cross_device_grid_runs_in_process(tmp_path):
     spec, _ = X.build_spec(args)
     assert spec.backend == "inprocess" and spec.supernodes == 1000 and spec.threads == 2
     cells = X.validate(spec, tmp_path)
-    assert len(cells) == 4 * 2 * 3
+    assert len(cells) == (4 * 2 - 1) * 3  # without DP the paper's PowerDP variant is FedPower's run
     ov = X.cell_overrides(spec, next(c for c in cells if c.method == "fedpower-powerdp" and c.epsilon == 8.0), tmp_path)
     assert ov["dp.level"] == "client" and ov["strategy.client-refactorization"] == "powerdp"
     # the command line wins over the grid file, and the spec round-trips through the manifest
