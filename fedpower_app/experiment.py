@@ -1219,7 +1219,7 @@ def accuracy_table(collected: Collected, tasks: Sequence[str], methods: Sequence
             run_by = {collected.shared[(t, method, eps)] for t in tasks if (t, method, eps) in collected.shared}
             if run_by:
                 row[1] += " †"
-                shared_notes.add(f"† {method_label(method)} at {eps_label(eps)} is the run of "
+                shared_notes.add(f"† {method_label(method)}, {eps_label(eps)}, is the run of "
                                  f"{', '.join(method_label(m) for m in sorted(run_by))}: the two differ only in "
                                  "the client-level DP release, so one cell serves both rows.")
             rows.append(row)

@@ -853,4 +853,4 @@ def test_client_level_variant_shares_its_base_cell_away_from_client_dp(tmp_path)
     assert "| non-private | FedPower | 80.00 ± 0.00 | 2 |" in table
     assert "| non-private | FedPower (paper's PowerDP) † | 80.00 ± 0.00 | 2 |" in table
     assert "| ε = 8 | FedPower (paper's PowerDP) | 50.00 ± 0.00 | 2 |" in table
-    assert "† FedPower (paper's PowerDP) at non-private is the run of FedPower" in table
+    assert "† FedPower (paper's PowerDP), non-private, is the run of FedPower" in table
