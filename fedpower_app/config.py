@@ -92,6 +92,7 @@ SCHEMA: dict[str, tuple[type, Callable[[Any], str | None] | None]] = {
     "strategy.client-rate": (float, _rate),
     "strategy.power-iters": (int, _min1),
     "strategy.refactor-every": (int, _min1),
+    # the keys of strategies.mechanisms.CLIENT_REFACTORIZATION (kept literal: config imports no torch)
     "strategy.client-refactorization": (str, _in(("powerdp-l", "powerdp"))),
     "strategy.min-nodes": (int, _min1),
     "strategy.round-timeout": (float, _pos),

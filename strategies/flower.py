@@ -140,8 +140,9 @@ class LoRAStrategy(Strategy):
         # paper's PowerDP on the delta, an ablation).
         if client_level and not (denominator and denominator > 0):
             raise ValueError("client level needs the fixed denominator m = q_c N > 0")
-        if refactorization not in ("powerdp-l", "powerdp"):
-            raise ValueError(f"refactorization must be powerdp-l or powerdp, got {refactorization!r}")
+        if refactorization not in MECH.CLIENT_REFACTORIZATION:
+            raise ValueError(f"refactorization must be one of {list(MECH.CLIENT_REFACTORIZATION)}, "
+                             f"got {refactorization!r}")
         self.client_level, self.refactorization, self.denominator = client_level, refactorization, denominator
         self.method_name = self.method  # FedPower's ablations set their own (input/output-perturbation)
         self.refactor_every = 1

@@ -123,6 +123,15 @@ MECHANISMS: dict[str, Mechanism] = {m.name: m for m in (
     Mechanism("input-delta", "server", ("client",), ("dW",), lambda a: [_fixed(a)], False,
               lambda u, ctx, s, g, x: CD.input_delta_release(u, ctx, x.glob, s[0], g, x.denominator),
               "input perturbation of B_g A_g + average delta"),
+    # the paper's factor-noise releases on the round's averaged delta (ablations; random
+    # denominator, so the average has norm <= C and their diameter sensitivities hold unchanged)
+    Mechanism("powerdp-delta", "server", ("client",), ("B_tilde", "A_tilde"), lambda a: [2.0 * a.clip, 2.0 * a.clip],
+              False, lambda u, ctx, s, g, x: CD.powerdp_delta_release(u, ctx, x.glob, s[0], g),
+              "the paper's PowerDP on the averaged round delta: diameter 2C per released factor"),
+    Mechanism("output-delta", "server", ("client",), ("A", "B"),
+              lambda a: [2.0 * math.sqrt(a.num_modules * a.rank), 2.0 * a.clip], False,
+              lambda u, ctx, s, g, x: CD.output_delta_release(u, ctx, x.glob, s[0], s[1], g),
+              "output perturbation on the averaged round delta"),
     # -- DP-SGD inside every silo (fedpower_app.dp_sgd): the server's release is post-processing ---
     Mechanism("dp-sgd", "silo", ("sample",), ("clipped per-example gradient sum",),
               lambda a: [dp_sgd_sensitivity(a.clip, a.head_clip)], False, None,
@@ -131,14 +140,16 @@ MECHANISMS: dict[str, Mechanism] = {m.name: m for m in (
 
 #: The paper's releases of whole clipped adapters, and the client-level releases of round deltas.
 WHOLE_ADAPTER_MECHANISMS = ("powerdp", "fedlora", "ffa", "input", "output")
-DELTA_MECHANISMS = ("powerdp-l", "fedlora-delta", "ffa-delta", "input-delta")
+DELTA_MECHANISMS = ("powerdp-l", "fedlora-delta", "ffa-delta", "input-delta", "powerdp-delta", "output-delta")
 
 # -- the round schedule --------------------------------------------------------------------------
 #: Each method's release when it does not refactorize (FedPower refactorizes every F-th round).
 METHOD_RELEASE = {"fedlora": "fedlora", "ffa-lora": "ffa", "input-perturbation": "input",
                   "output-perturbation": "output"}
 #: Client level: the delta release of each whole-adapter release.
-CLIENT_RELEASE = {"fedlora": "fedlora-delta", "ffa": "ffa-delta", "input": "input-delta", "output": "output"}
+CLIENT_RELEASE = {"fedlora": "fedlora-delta", "ffa": "ffa-delta", "input": "input-delta", "output": "output-delta"}
+#: Client level: FedPower's refactorization (strategy.client-refactorization) -> its delta release.
+CLIENT_REFACTORIZATION = {"powerdp-l": "powerdp-l", "powerdp": "powerdp-delta"}
 
 
 def round_type(method: str, server_round: int, *, refactor_every: int = 1, level: str = "sample",
@@ -156,7 +167,13 @@ def round_type(method: str, server_round: int, *, refactor_every: int = 1, level
         raise ValueError(f"unknown method {method!r}")
     if level != "client":
         return base
-    return refactorization if base == "powerdp" else CLIENT_RELEASE[base]
+    if base == "powerdp":
+        try:
+            return CLIENT_REFACTORIZATION[refactorization]
+        except KeyError:
+            raise ValueError(f"unknown client-level refactorization {refactorization!r}; valid choices: "
+                             f"{list(CLIENT_REFACTORIZATION)}") from None
+    return CLIENT_RELEASE[base]
 
 
 def get(name: str) -> Mechanism:

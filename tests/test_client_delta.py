@@ -114,6 +114,30 @@ def test_powerdp_l_release_without_noise_refactorizes_the_new_global():
             assert torch.allclose(rel.B[n] @ rel.A[n], B[j] @ A[j], atol=1e-10)
 
 
+@pytest.mark.parametrize("round_type", ["powerdp-delta", "output-delta"])
+def test_the_papers_factor_noise_releases_at_client_level_act_on_the_delta(round_type):
+    """The paper's PowerDP (and output perturbation) at client level clip and noise each silo's
+    round delta, not its whole adapter: against a public global far larger than C, silos that
+    changed nothing contribute nothing (none clipped) and, without noise, the global comes back."""
+    from strategies import mechanisms as MECH
+
+    A_g, B_g = glob()
+    B_g = {n: b * 1e3 for n, b in B_g.items()}  # ||B_g A_g|| >> C: a whole-adapter clip would cut it
+    gl = (A_g, B_g)
+    same = [AdapterUpdate(A=dict(A_g), B=dict(B_g), extra={"head": torch.zeros(2, 4, dtype=F64)}) for _ in range(3)]
+    c = ctx(clip=1.0, iters=3)
+    mech = MECH.get(round_type)
+    rel = mech.release(same, c, [0.0] * len(mech.blocks), gen(4), MECH.ReleaseArgs(glob=gl, denominator=3.0))
+    assert rel.num_clients == 3 and max(rel.update_norms) == 0.0 and min(rel.clip_scales) == 1.0
+    for n in SHAPES:
+        want = B_g[n] @ A_g[n]
+        assert torch.allclose(rel.B[n] @ rel.A[n], want, atol=1e-8 * want.norm())
+    # one silo's change moves the release by its clipped delta, averaged over the replies
+    moved = same[:2] + [client(gl, 7, scale=1e-4)]
+    rel = mech.release(moved, c, [0.0] * len(mech.blocks), gen(4), MECH.ReleaseArgs(glob=gl, denominator=3.0))
+    assert min(rel.clip_scales) == 1.0 and 0 < max(rel.update_norms) < 1.0
+
+
 def test_an_empty_round_still_releases_noise():
     gl = glob()
     for fn in (CD.fedlora_delta_release, CD.ffa_delta_release, CD.powerdp_l_release):
@@ -125,7 +149,8 @@ def test_an_empty_round_still_releases_noise():
 
 @pytest.mark.parametrize("name, extra, round_type, blocks", [
     ("fedpower", {}, "powerdp-l", 4), ("fedlora", {}, "fedlora-delta", 1), ("ffa-lora", {}, "ffa-delta", 1),
-    ("fedpower", {"strategy.client-refactorization": "powerdp"}, "powerdp", 2),
+    ("fedpower", {"strategy.client-refactorization": "powerdp"}, "powerdp-delta", 2),
+    ("output-perturbation", {}, "output-delta", 2), ("input-perturbation", {}, "input-delta", 1),
 ])
 def test_client_level_runs_release_deltas_through_the_real_apps(tmp_path, name, extra, round_type, blocks):
     """In-process ServerApp + ClientApp at dp.level = client: the round type, the stds of the

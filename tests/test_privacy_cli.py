@@ -27,7 +27,7 @@ METHOD_ROUND_TYPE = {"fedpower": "powerdp", "fedlora": "fedlora", "ffa-lora": "f
                      "input-perturbation": "input", "output-perturbation": "output"}
 # Client level releases round deltas averaged over the fixed m = q_c N (6 here): DP-FedAvg style.
 CLIENT_ROUND_TYPE = {"fedpower": "powerdp-l", "fedlora": "fedlora-delta", "ffa-lora": "ffa-delta",
-                     "input-perturbation": "input-delta", "output-perturbation": "output"}
+                     "input-perturbation": "input-delta", "output-perturbation": "output-delta"}
 C, M, R = 2.0, 12, 8  # defaults: dp.clip, MiniLM's LoRA modules (6 layers x query,value), lora.rank
 # Spec 3.1: L2 sensitivity of everything released in a round (sample level at k = 1).
 SPEC_DELTA = {
@@ -39,6 +39,8 @@ SPEC_DELTA = {
     # m = 6, PowerDP-L with the default 2 power iterations: 4 releases of C/m each
     ("powerdp-l", "client"): math.sqrt(4) * C / 6, ("fedlora-delta", "client"): C / 6,
     ("ffa-delta", "client"): C / 6, ("input-delta", "client"): C / 6,
+    # the paper's factor-noise releases on the delta keep their diameter sensitivities (random denominator)
+    ("powerdp-delta", "client"): 2 * math.sqrt(2) * C, ("output-delta", "client"): 2 * math.sqrt(M * R + C * C),
 }
 
 # the default run: the generated training set split over fedpower-run's 6 silos

@@ -12,14 +12,16 @@ from typing import Any, Callable, Sequence, Union
 
 import numpy as np
 
+from strategies.mechanisms import CLIENT_REFACTORIZATION, DELTA_MECHANISMS, WHOLE_ADAPTER_MECHANISMS
+
 METHODS = ("fedpower", "fedlora", "ffa-lora", "input-perturbation", "output-perturbation")
 # Releases of the silos' whole clipped adapters (the paper's mechanisms; server-side noise).
-ROUND_TYPES = ("powerdp", "fedlora", "ffa", "input", "output")
-# Client level, on round deltas with the fixed denominator m = q_c N (DP-FedAvg style).
-DELTA_ROUND_TYPES = ("powerdp-l", "fedlora-delta", "ffa-delta", "input-delta")
+ROUND_TYPES = WHOLE_ADAPTER_MECHANISMS
+# Client level, on round deltas (DP-FedAvg style; strategies/client_delta.py).
+DELTA_ROUND_TYPES = DELTA_MECHANISMS
 #: How FedPower refactorizes at client level: PowerDP-L (noise inside the power iteration) or the
 #: paper's PowerDP on the averaged delta (diameter sensitivity; an ablation).
-CLIENT_REFACTORIZATIONS = ("powerdp-l", "powerdp")
+CLIENT_REFACTORIZATIONS = tuple(CLIENT_REFACTORIZATION)
 LEVELS = ("sample", "client")
 SAMPLE_MODES = ("two-stage", "product")
 ACCOUNTANTS = ("rdp", "pld")
