@@ -10,7 +10,8 @@ over m), so these norms compare the methods' signal-to-noise directly.
 The global is PEFT's initial adapter (A kaiming-uniform, variance 1/(3n); B = 0), as in round 1,
 or with ``--b-std`` a B with entries of that std (FedLoRA's noise on A enters W through B).
 
-    python -m benchmarks.noise_in_w --preset conf/cross-device-sst2.toml --clients 1000 --draws 8
+    python -m benchmarks.noise_in_w --grid conf/grids/cross-device-sst2.toml      # the grid's cells
+    python -m benchmarks.noise_in_w --preset conf/cross-device-sst2.toml --set dp.clip=2.0  # one setting for all
 """
 
 from __future__ import annotations
@@ -20,8 +21,23 @@ import math
 import statistics
 
 
-def measure(overrides: dict, clients: int, draws: int, b_std: float, modules: int, ffa_clip: float,
-            seed: int = 0) -> list[dict]:
+def method_configs(preset: str, *, grid: str | None = None, epsilon: float = 8.0, extra: dict | None = None) -> dict:
+    """Each method's run config at client level: the grid's cell at ``epsilon`` (its preset and
+    per-method overrides, ``fedpower_app.experiment.cell_overrides``), or the preset alone."""
+    from fedpower_app import experiment as X
+    from fedpower_app.config import load_preset
+
+    methods = ("fedlora", "ffa-lora", "fedpower", "fedpower-powerdp")
+    if grid is None:
+        base = {**load_preset(preset), **(extra or {}), "dp.level": "client", "dp.epsilon": float(epsilon)}
+        return {m: {**base, **X.method_overrides(m)} for m in methods}
+    spec, out = X.build_spec(X.make_parser().parse_args(["--grid", grid, "--epsilons", str(epsilon)]))
+    spec.overrides.update(extra or {})
+    return {m: X.cell_overrides(spec, X.Cell(spec.tasks[0], m, float(epsilon), 0), out) for m in methods}
+
+
+def measure(configs: dict, clients: int, draws: int, b_std: float, modules: int, seed: int = 0) -> list[dict]:
+    """Per method (name -> run-config overrides): one empty client-level round's noise in W."""
     import torch
 
     from fedpower_app.config import parse_config
@@ -31,16 +47,10 @@ def measure(overrides: dict, clients: int, draws: int, b_std: float, modules: in
     from strategies.aggregation import group_modules
     from strategies.releases import ReleaseContext
 
-    methods = {  # the grid's cells (conf/grids/cross-device-sst2.toml), FFA-LoRA with its own clip
-        "fedlora": {"strategy.name": "fedlora"},
-        "ffa-lora": {"strategy.name": "ffa-lora", "dp.clip": ffa_clip},
-        "fedpower": {"strategy.name": "fedpower", "strategy.client-refactorization": "powerdp-l"},
-        "fedpower-powerdp": {"strategy.name": "fedpower", "strategy.client-refactorization": "powerdp"},
-    }
     g = torch.Generator().manual_seed(seed)
     rows = []
-    for method, ov in methods.items():
-        cfg = parse_config({**overrides, **ov, "dp.level": "client"})
+    for method, ov in configs.items():
+        cfg = parse_config(ov)
         d, r = 384, int(cfg["lora.rank"])  # MiniLM's q/v: 384 x 384
         shapes = {f"m{i}": (d, d, r) for i in range(modules)}
         if not rows:  # one global for every method
@@ -63,40 +73,40 @@ def measure(overrides: dict, clients: int, draws: int, b_std: float, modules: in
                 B, A = rel.B.get(n, B_g[n]), rel.A.get(n, A_g[n])
                 norms.append(float((B @ A - B_g[n] @ A_g[n]).norm()))
         rows.append({"method": method, "round_type": rt, "clip": float(cfg["dp.clip"]), "stds": stds,
-                     "z": privacy.describe()["calibration"]["z"], "epsilon": cfg["dp.epsilon"],
-                     "noise_in_W": statistics.mean(norms), "sd": statistics.stdev(norms) if len(norms) > 1 else 0.0})
+                     "iters": int(cfg["strategy.power-iters"]), "z": privacy.describe()["calibration"]["z"],
+                     "epsilon": cfg["dp.epsilon"], "noise_in_W": statistics.mean(norms),
+                     "sd": statistics.stdev(norms) if len(norms) > 1 else 0.0})
     return rows
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--preset", default="conf/cross-device-sst2.toml")
+    ap.add_argument("--grid", help="take each method's settings from this grid file's eps cells")
+    ap.add_argument("--preset", default="conf/cross-device-sst2.toml", help="without --grid: the preset")
+    ap.add_argument("--epsilon", type=float, default=8.0)
     ap.add_argument("--clients", type=int, default=1000)
     ap.add_argument("--draws", type=int, default=8)
     ap.add_argument("--modules", type=int, default=2, help="LoRA modules per draw (each is one sample)")
     ap.add_argument("--b-std", type=float, default=0.0, help="std of the global B's entries (0: round 1)")
-    ap.add_argument("--ffa-clip", type=float, default=20.0, help="FFA-LoRA's clip (the grid's method override)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--threads", type=int, default=1)
     a = ap.parse_args(argv)
     import torch
 
-    from fedpower_app.config import load_preset, parse_config
     from fedpower_app.launcher import parse_set
 
     torch.set_num_threads(a.threads)
-    ov = {**load_preset(a.preset), **parse_set(a.set)}
-    cfg = parse_config({**ov, "dp.level": "client"})
-    rows = measure(ov, a.clients, a.draws, a.b_std, a.modules, a.ffa_clip)
+    configs = method_configs(a.preset, grid=a.grid, epsilon=a.epsilon, extra=parse_set(a.set))
+    rows = measure(configs, a.clients, a.draws, a.b_std, a.modules)
     ref = rows[0]["noise_in_W"]
-    print(f"client level: delta {cfg['dp.delta']:g}, q_c {cfg['strategy.client-rate']:g}, N {a.clients}, "
-          f"T {cfg['num-server-rounds']}, global B std {a.b_std:g}; {a.draws} draws x {a.modules} modules")
-    print("| method | round type | ε | z | clip | noise std per block | noise norm in W per module (± sd) | vs FedLoRA |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(f"client level, {a.grid or a.preset}: N {a.clients}, global B std {a.b_std:g}; "
+          f"{a.draws} draws x {a.modules} modules of 384 x 384")
+    print("| method | round type | ε | z | clip | power iters | noise std per block | noise norm in W per module (± sd) | vs FedLoRA |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         stds = ", ".join(f"{s:.4g}" for s in row["stds"])
-        print(f"| {row['method']} | {row['round_type']} | {row['epsilon']:g} | {row['z']:.3f} | {row['clip']:g} | {stds} | "
-              f"{row['noise_in_W']:.4g} ± {row['sd']:.2g} | {row['noise_in_W'] / ref:.2f}× |")
+        print(f"| {row['method']} | {row['round_type']} | {row['epsilon']:g} | {row['z']:.3f} | {row['clip']:g} | "
+              f"{row['iters']} | {stds} | {row['noise_in_W']:.4g} ± {row['sd']:.2g} | {row['noise_in_W'] / ref:.2f}× |")
     return 0
 
 

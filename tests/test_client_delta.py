@@ -172,11 +172,12 @@ def test_noise_reaching_w_matches_the_derivation_in_results():
     """benchmarks/noise_in_w.py (RESULTS.md, "Where FedPower's noise goes"): at round 1 (B_g = 0,
     A_g PEFT's init with A A^T ~ I/3) FedLoRA's noise reaches W as s*sqrt(m*||A||^2) = 32 s, and
     PowerDP-L's as its block std * sqrt(r n), 2 sqrt(3) ~ 3.46 times more at the same z, C, m."""
-    from benchmarks.noise_in_w import measure
-    from fedpower_app.config import PROJECT_ROOT, load_preset
+    from benchmarks.noise_in_w import measure, method_configs
+    from fedpower_app.config import PROJECT_ROOT
 
-    rows = {r["method"]: r for r in measure(load_preset(str(PROJECT_ROOT / "conf/cross-device-sst2.toml")), 1000, draws=2, b_std=0.0,
-                                            modules=2, ffa_clip=20.0)}
+    configs = method_configs(str(PROJECT_ROOT / "conf/cross-device-sst2.toml"))  # C 2, 2 power iterations for all
+    configs["ffa-lora"]["dp.clip"] = 20.0
+    rows = {r["method"]: r for r in measure(configs, 1000, draws=2, b_std=0.0, modules=2)}
     s = rows["fedlora"]["stds"][0]
     assert rows["fedlora"]["noise_in_W"] == pytest.approx(32 * s, rel=0.05)
     assert rows["fedpower"]["noise_in_W"] == pytest.approx(rows["fedpower"]["stds"][-1] * (8 * 384) ** 0.5, rel=0.03)
