@@ -23,7 +23,8 @@ import statistics
 
 def method_configs(preset: str, *, grid: str | None = None, epsilon: float = 8.0, extra: dict | None = None) -> dict:
     """Each method's run config at client level: the grid's cell at ``epsilon`` (its preset and
-    per-method overrides, ``fedpower_app.experiment.cell_overrides``), or the preset alone."""
+    per-method overrides, ``fedpower_app.experiment.cell_overrides``), or the preset alone; ``extra``
+    (--set) last."""
     from fedpower_app import experiment as X
     from fedpower_app.config import load_preset
 
@@ -32,8 +33,13 @@ def method_configs(preset: str, *, grid: str | None = None, epsilon: float = 8.0
         base = {**load_preset(preset), **(extra or {}), "dp.level": "client", "dp.epsilon": float(epsilon)}
         return {m: {**base, **X.method_overrides(m)} for m in methods}
     spec, out = X.build_spec(X.make_parser().parse_args(["--grid", grid, "--epsilons", str(epsilon)]))
-    spec.overrides.update(extra or {})
-    return {m: X.cell_overrides(spec, X.Cell(spec.tasks[0], m, float(epsilon), 0), out) for m in methods}
+    configs = {m: {**X.cell_overrides(spec, X.Cell(spec.tasks[0], m, float(epsilon), 0), out), **(extra or {})}
+               for m in methods}
+    for m, ov in configs.items():
+        if ov.get("dp.level") != "client":
+            raise SystemExit(f"{grid}: the {m} cell runs at dp.level = {ov.get('dp.level')!r}; this measures "
+                             "client-level releases (dp.level = \"client\")")
+    return configs
 
 
 def measure(configs: dict, clients: int, draws: int, b_std: float, modules: int, seed: int = 0) -> list[dict]:
@@ -47,16 +53,15 @@ def measure(configs: dict, clients: int, draws: int, b_std: float, modules: int,
     from strategies.aggregation import group_modules
     from strategies.releases import ReleaseContext
 
-    g = torch.Generator().manual_seed(seed)
     rows = []
     for method, ov in configs.items():
         cfg = parse_config(ov)
         d, r = 384, int(cfg["lora.rank"])  # MiniLM's q/v: 384 x 384
         shapes = {f"m{i}": (d, d, r) for i in range(modules)}
-        if not rows:  # one global for every method
-            bound = 1.0 / math.sqrt(d)  # PEFT: kaiming_uniform_(a=sqrt(5)) on (r, n) is U(-1/sqrt(n), 1/sqrt(n))
-            A_g = {n: (torch.rand(r, d, generator=g, dtype=torch.float64) * 2 - 1) * bound for n in shapes}
-            B_g = {n: torch.randn(d, r, generator=g, dtype=torch.float64) * b_std for n in shapes}
+        g = torch.Generator().manual_seed(seed)  # the same global for every method (of its rank)
+        bound = 1.0 / math.sqrt(d)  # PEFT: kaiming_uniform_(a=sqrt(5)) on (r, n) is U(-1/sqrt(n), 1/sqrt(n))
+        A_g = {n: (torch.rand(r, d, generator=g, dtype=torch.float64) * 2 - 1) * bound for n in shapes}
+        B_g = {n: torch.randn(d, r, generator=g, dtype=torch.float64) * b_std for n in shapes}
         privacy = build_privacy(cfg, client_sizes=[64] * clients, num_modules=modules)
         rt = MECH.round_type(cfg["strategy.name"], 1, level="client",
                              refactorization=cfg["strategy.client-refactorization"])
@@ -84,7 +89,7 @@ def main(argv=None) -> int:
     ap.add_argument("--grid", help="take each method's settings from this grid file's eps cells")
     ap.add_argument("--preset", default="conf/cross-device-sst2.toml", help="without --grid: the preset")
     ap.add_argument("--epsilon", type=float, default=8.0)
-    ap.add_argument("--clients", type=int, default=1000)
+    ap.add_argument("--clients", type=int, help="N (default: the grid's supernodes, else 1000)")
     ap.add_argument("--draws", type=int, default=8)
     ap.add_argument("--modules", type=int, default=2, help="LoRA modules per draw (each is one sample)")
     ap.add_argument("--b-std", type=float, default=0.0, help="std of the global B's entries (0: round 1)")
@@ -97,6 +102,10 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(a.threads)
     configs = method_configs(a.preset, grid=a.grid, epsilon=a.epsilon, extra=parse_set(a.set))
+    if a.clients is None:
+        from fedpower_app import experiment as X
+
+        a.clients = X.build_spec(X.make_parser().parse_args(["--grid", a.grid]))[0].supernodes if a.grid else 1000
     rows = measure(configs, a.clients, a.draws, a.b_std, a.modules)
     ref = rows[0]["noise_in_W"]
     print(f"client level, {a.grid or a.preset}: N {a.clients}, global B std {a.b_std:g}; "

@@ -43,6 +43,10 @@ Grid files (conf/grids/*.toml) hold the same settings as the flags, plus:
   [method-overrides.<method>]  run-config keys for one method's cells, applied last (e.g. FFA-LoRA,
                                which trains only B, needs a larger "train.lr"); the keys that make a
                                cell (method, epsilon, seed, task) cannot be set here
+  [private-method-overrides.<method>]
+                               the same, for the method's private cells only (after the above): for
+                               settings that matter only under DP (FedPower's power iterations and
+                               clip), so that its non-private cells stay the best run without DP
   [table1] ... [table3]        per-table methods and epsilons; cell-timeout = seconds per cell
 
 A finished cell whose recorded settings (cells/<id>/cell.json) differ from what the grid now asks
@@ -225,6 +229,15 @@ class GridSpec:
     threads: int | None = None  # torch threads of an in-process cell (None: torch's default)
     # run-config overrides of one method's cells (e.g. FFA-LoRA's own learning rate); applied last
     method_overrides: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # the same for the method's private cells only, applied after method_overrides
+    private_method_overrides: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def overrides_of(self, method: str, eps: float | None) -> dict[str, Any]:
+        """The per-method run-config overrides of ``method``'s cells at ``eps``."""
+        ov = dict(self.method_overrides.get(method, {}))
+        if eps is not None:
+            ov.update(self.private_method_overrides.get(method, {}))
+        return ov
 
     def blocks(self) -> list[tuple[str, list[str], list[float | None]]]:
         out = [(t, m, e) for t, (m, e) in sorted(self.tables.items())]
@@ -239,7 +252,10 @@ class GridSpec:
             return "none"
         level = "sample"
         if self.preset:
-            level = load_preset(self.preset.replace("{task}", task)).get("dp.level", level)
+            preset = Path(self.preset.replace("{task}", task))
+            if not preset.exists():
+                raise GridError(f"preset {preset} not found")
+            level = load_preset(str(preset)).get("dp.level", level)
         level = self.overrides.get("dp.level", level)
         return "sample" if level == "none" else str(level)
 
@@ -249,7 +265,7 @@ class GridSpec:
         base's cell serves both (unless a per-method override makes the two runs differ)."""
         method = canonical_method(method)
         base = CLIENT_LEVEL_VARIANTS.get(method)
-        if (base is not None and self.method_overrides.get(method, {}) == self.method_overrides.get(base, {})
+        if (base is not None and self.overrides_of(method, eps) == self.overrides_of(base, eps)
                 and self.dp_level(task, eps) != "client"):
             method = base
         return Cell(task, method, eps, seed)
@@ -297,6 +313,7 @@ class GridSpec:
             "backend": self.backend,
             "threads": self.threads,
             "method_overrides": self.method_overrides,
+            "private_method_overrides": self.private_method_overrides,
         }
 
     @classmethod
@@ -309,7 +326,9 @@ class GridSpec:
                    preset=d.get("preset"), overrides=dict(d.get("overrides") or {}), data_dir=d.get("data_dir"),
                    nonprivate_lr=d.get("nonprivate_lr"), supernodes=int(d.get("supernodes", 6)),
                    backend=str(d.get("backend", "flwr")), threads=d.get("threads"),
-                   method_overrides={str(m): dict(v) for m, v in (d.get("method_overrides") or {}).items()})
+                   method_overrides={str(m): dict(v) for m, v in (d.get("method_overrides") or {}).items()},
+                   private_method_overrides={str(m): dict(v)
+                                             for m, v in (d.get("private_method_overrides") or {}).items()})
 
 
 def _resolve_path(path: str, base: Path) -> str:
@@ -344,7 +363,7 @@ def cell_overrides(spec: GridSpec, cell: Cell, out: Path) -> dict[str, Any]:
         if ov.get("dp.level", "sample") == "none":
             ov["dp.level"] = "sample"
         ov["dp.epsilon"] = float(cell.epsilon)
-    ov.update(spec.method_overrides.get(cell.method, {}))
+    ov.update(spec.overrides_of(cell.method, cell.epsilon))
     ov["seed"] = int(cell.seed)
     ov["run-name"] = cell.cell_id
     ov["output-dir"] = str((out / "cells").resolve())
@@ -375,15 +394,17 @@ def validate(spec: GridSpec, out: Path) -> list[Cell]:
             raise GridError("empty epsilon list")
         for m in methods:
             method_overrides(m)
-    for m, ov in spec.method_overrides.items():
-        # an unknown name fails; a known method that --methods left out of this invocation is fine
-        canonical_method(m)
-        if not isinstance(ov, dict) or not ov:
-            raise GridError(f"method-overrides.{m}: a table of run-config keys expected, e.g. \"train.lr\" = 0.03")
-        fixed = sorted(set(ov) & _CELL_KEYS)
-        if fixed:
-            raise GridError(f"method-overrides.{m}: {', '.join(fixed)} define(s) the cell (method, epsilon, seed, "
-                            "task, where it runs) and cannot be overridden per method")
+    for table, per_method in (("method-overrides", spec.method_overrides),
+                              ("private-method-overrides", spec.private_method_overrides)):
+        for m, ov in per_method.items():
+            # an unknown name fails; a known method that --methods left out of this invocation is fine
+            canonical_method(m)
+            if not isinstance(ov, dict) or not ov:
+                raise GridError(f"{table}.{m}: a table of run-config keys expected, e.g. \"train.lr\" = 0.03")
+            fixed = sorted(set(ov) & _CELL_KEYS)
+            if fixed:
+                raise GridError(f"{table}.{m}: {', '.join(fixed)} define(s) the cell (method, epsilon, seed, "
+                                "task, where it runs) and cannot be overridden per method")
     if spec.preset:
         for task in spec.tasks:
             p = Path(spec.preset.replace("{task}", task))
@@ -1190,7 +1211,7 @@ def accuracy_table(collected: Collected, tasks: Sequence[str], methods: Sequence
         csv_headers += [f"{c[2]}_mean", f"{c[2]}_std", f"{c[2]}_n"]
     if multi:
         csv_headers += ["average_mean", "average_std", "average_n"]
-    csv_headers += ["epsilon_spent_mean", "z_mean"]
+    csv_headers += ["epsilon_spent_mean", "z_mean", "run_of"]  # run_of: the method whose cells a shared row shows
     rows, csv_rows = [], []
     shared_notes: set[str] = set()
     for eps in sorted(set(epsilons), key=_eps_sort_key):
@@ -1217,6 +1238,7 @@ def accuracy_table(collected: Collected, tasks: Sequence[str], methods: Sequence
             row.append("—" if not spent else f"{statistics.mean(spent):.3f}")
             crow += [statistics.mean(spent) if spent else None, statistics.mean(zs) if zs else None]
             run_by = {collected.shared[(t, method, eps)] for t in tasks if (t, method, eps) in collected.shared}
+            crow.append(",".join(sorted(run_by)))
             if run_by:
                 row[1] += " †"
                 shared_notes.add(f"† {method_label(method)}, {eps_label(eps)}, is the run of "
@@ -1415,6 +1437,7 @@ def _load_grid_file(path: str) -> dict[str, Any]:
 
 
 _GRID_KEYS = {"out", "cell-timeout", "preset", "tasks", "seeds", "methods", "epsilons", "overrides", "method-overrides",
+              "private-method-overrides",
               "data-dir", "nonprivate-lr", "supernodes", "backend", "threads", "table1", "table2", "table3"}
 
 
@@ -1479,14 +1502,18 @@ def build_spec(args: argparse.Namespace) -> tuple[GridSpec, Path]:
         eps = cli_eps or file_eps
         if methods or eps:
             custom = (list(methods or TABLE_METHODS["1"]), eps or TABLE_EPSILONS["1"])
-    per_method = g.get("method-overrides") or {}
-    if not isinstance(per_method, dict):
-        raise GridError("method-overrides: a table of methods expected, e.g. [method-overrides.ffa-lora]")
+    per_method = {}
+    for table in ("method-overrides", "private-method-overrides"):
+        per_method[table] = g.get(table) or {}
+        if not isinstance(per_method[table], dict):
+            raise GridError(f"{table}: a table of methods expected, e.g. [{table}.ffa-lora]")
     spec = GridSpec(tasks=list(tasks), seeds=seeds, tables=tables, custom=custom, preset=preset,
                     overrides=overrides, data_dir=data_dir or None, nonprivate_lr=nonprivate_lr, supernodes=supernodes,
                     backend=str(backend), threads=None if threads is None else int(threads),
                     method_overrides={canonical_method(str(m)): (dict(v) if isinstance(v, dict) else v)
-                                      for m, v in per_method.items()})
+                                      for m, v in per_method["method-overrides"].items()},
+                    private_method_overrides={canonical_method(str(m)): (dict(v) if isinstance(v, dict) else v)
+                                              for m, v in per_method["private-method-overrides"].items()})
     return spec, out_path
 
 

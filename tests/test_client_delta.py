@@ -5,6 +5,7 @@ empty round still releases noise."""
 
 from __future__ import annotations
 
+import math
 import pytest
 import torch
 
@@ -138,13 +139,74 @@ def test_the_papers_factor_noise_releases_at_client_level_act_on_the_delta(round
     assert min(rel.clip_scales) == 1.0 and 0 < max(rel.update_norms) < 1.0
 
 
+@pytest.mark.parametrize("round_type, inner", [("powerdp-delta", "powerdp"), ("output-delta", "output_perturbation")])
+def test_the_papers_releases_on_the_delta_noise_the_clipped_delta_average_over_the_replies(monkeypatch, round_type,
+                                                                                            inner):
+    """What the paper's mechanism receives at client level is the average over the k replies (not
+    the fixed m: its diameter sensitivity needs a norm <= C) of the clipped deltas B_i A_i - B_g A_g,
+    and it gets the calibrated stds; the public global is added back afterwards."""
+    from strategies import mechanisms as MECH
+
+    seen = []
+    real = getattr(CD, inner)
+
+    def spy(*, factors, **kw):
+        seen.append((factors, kw))
+        return real(factors=factors, **kw)
+
+    monkeypatch.setattr(CD, inner, spy)
+    gl = glob()
+    ups = [client(gl, i, scale=s) for i, s in enumerate([0.01, 1.0, 5.0])]  # the last two are clipped
+    c = ctx(clip=1.0)
+    mech = MECH.get(round_type)
+    stds = [0.3, 0.3] if round_type == "powerdp-delta" else [0.3, 0.7]  # PowerDP: equal sensitivities, one std
+    rel = mech.release(ups, c, stds, gen(5), MECH.ReleaseArgs(glob=gl, denominator=7.0))  # m = 7, k = 3
+    sq = sum(sum(float(d.pow(2).sum()) for d in dense_delta(u, gl).values()) + float(u.extra["head"].pow(2).sum())
+             for u in ups[1:2])
+    from strategies.aggregation import CLIP_MARGIN
+
+    # the server clips to C / (1 + margin) so that float rounding cannot exceed C
+    assert rel.clip_scales[0] == 1.0
+    assert rel.clip_scales[1] == pytest.approx(1.0 / (1 + CLIP_MARGIN) / math.sqrt(sq), rel=1e-9)
+    total = 0.0
+    for (factors, kw), g in zip(seen, c.groups):
+        Bs, As = factors
+        want = torch.stack([sum(sc * dense_delta(u, gl)[n] for sc, u in zip(rel.clip_scales, ups)) / 3.0
+                            for n in g.names])
+        assert torch.allclose(Bs @ As, want, atol=1e-12)
+        total += float(want.pow(2).sum())
+        got = [kw["noise_std"]] * 2 if "noise_std" in kw else [kw["noise_std_a"], kw["noise_std_b"]]
+        assert got == stds
+    assert math.sqrt(total) <= 1.0 + 1e-9  # the average over the replies stays within C
+
+
 def test_an_empty_round_still_releases_noise():
+    from strategies import mechanisms as MECH
+
     gl = glob()
     for fn in (CD.fedlora_delta_release, CD.ffa_delta_release, CD.powerdp_l_release):
         rel = fn([], ctx(), gl, 0.5, gen(3), denominator=5.0)
         assert rel.num_clients == 0
         assert any(not torch.allclose(rel.B[n], gl[1][n]) for n in SHAPES)  # noise, not a skipped round
         assert rel.extra_delta["head"].abs().sum() > 0
+    for rt in ("powerdp-delta", "output-delta"):
+        mech = MECH.get(rt)
+        args = MECH.ReleaseArgs(glob=gl, denominator=5.0)
+        rel = mech.release([], ctx(iters=3), [0.5] * len(mech.blocks), gen(3), args)
+        assert rel.num_clients == 0 and rel.extra_delta["head"].abs().sum() > 0
+        assert any(not torch.allclose(rel.B[n] @ rel.A[n], gl[1][n] @ gl[0][n]) for n in SHAPES)
+        rel = mech.release([], ctx(iters=3), [0.0] * len(mech.blocks), gen(3), args)  # no noise: the global
+        assert all(torch.allclose(rel.B[n] @ rel.A[n], gl[1][n] @ gl[0][n], atol=1e-9) for n in SHAPES)
+
+
+def test_the_config_accepts_exactly_the_client_refactorizations():
+    from fedpower_app.config import ConfigError, parse_config
+    from strategies import mechanisms as MECH
+
+    for name in MECH.CLIENT_REFACTORIZATION:
+        assert parse_config({"strategy.client-refactorization": name})["strategy.client-refactorization"] == name
+    with pytest.raises(ConfigError):
+        parse_config({"strategy.client-refactorization": "powerdp-delta"})
 
 
 @pytest.mark.parametrize("name, extra, round_type, blocks", [
@@ -183,4 +245,7 @@ def test_noise_reaching_w_matches_the_derivation_in_results():
     assert rows["fedpower"]["noise_in_W"] == pytest.approx(rows["fedpower"]["stds"][-1] * (8 * 384) ** 0.5, rel=0.03)
     assert rows["fedpower"]["noise_in_W"] / rows["fedlora"]["noise_in_W"] == pytest.approx(2 * 3 ** 0.5, rel=0.06)
     assert rows["ffa-lora"]["noise_in_W"] == pytest.approx(10 * rows["fedlora"]["noise_in_W"], rel=0.06)  # C 20 vs 2
-    assert rows["fedpower-powerdp"]["round_type"] == "powerdp-delta" and rows["fedpower-powerdp"]["noise_in_W"] > 100
+    # the paper's PowerDP on an empty round: B~ = N_B (std s), A~ orthonormal rows, so ||N_B A~|| = s sqrt(m r)
+    powerdp = rows["fedpower-powerdp"]
+    assert powerdp["round_type"] == "powerdp-delta"
+    assert powerdp["noise_in_W"] == pytest.approx(powerdp["stds"][0] * (384 * 8) ** 0.5, rel=0.03)

@@ -854,3 +854,31 @@ def test_client_level_variant_shares_its_base_cell_away_from_client_dp(tmp_path)
     assert "| non-private | FedPower (paper's PowerDP) † | 80.00 ± 0.00 | 2 |" in table
     assert "| ε = 8 | FedPower (paper's PowerDP) | 50.00 ± 0.00 | 2 |" in table
     assert "† FedPower (paper's PowerDP), non-private, is the run of FedPower" in table
+    rows = {(r["epsilon"], r["method"]): r for r in csv.DictReader(open(tmp_path / "table_custom.csv"))}
+    assert rows[("none", "fedpower-powerdp")]["run_of"] == "fedpower" and rows[("8", "fedpower-powerdp")]["run_of"] == ""
+
+
+def test_private_method_overrides_apply_to_private_cells_only(tmp_path):
+    """[private-method-overrides.<m>] sets keys that matter only under DP (FedPower's power
+    iterations and clip): its non-private cells keep the grid's settings, and stay shared with the
+    paper's-PowerDP variant."""
+    grid = tmp_path / "g.toml"
+    grid.write_text(f'out = "{tmp_path / "o"}"\npreset = "{TINY}"\ntasks = ["synthetic"]\n'
+                    'methods = ["fedpower", "fedpower-powerdp"]\nepsilons = [8, "none"]\noverrides = {"dp.level" = "client"}\n'
+                    '[method-overrides.fedpower]\n"train.lr" = 0.01\n[method-overrides.fedpower-powerdp]\n"train.lr" = 0.01\n'
+                    '[private-method-overrides.fedpower]\n"strategy.power-iters" = 1\n"dp.clip" = 1.6\n')
+    spec, out = X.build_spec(X.make_parser().parse_args(["--grid", str(grid)]))
+    cells = {c.cell_id: c for c in X.validate(spec, out)}
+    assert sorted(cells) == ["synthetic__fedpower-powerdp__eps8__s0", "synthetic__fedpower__eps8__s0",
+                             "synthetic__fedpower__nonprivate__s0"]
+    preset = parse_config(load_preset(TINY))
+    got = {cid: parse_config(X.cell_overrides(spec, c, out)) for cid, c in cells.items()}
+    assert got["synthetic__fedpower__eps8__s0"]["strategy.power-iters"] == 1
+    assert got["synthetic__fedpower__eps8__s0"]["dp.clip"] == 1.6
+    assert got["synthetic__fedpower__nonprivate__s0"]["strategy.power-iters"] == preset["strategy.power-iters"]
+    assert got["synthetic__fedpower-powerdp__eps8__s0"]["strategy.power-iters"] == preset["strategy.power-iters"]
+    assert all(g["train.lr"] == 0.01 for g in got.values())  # method-overrides: every cell
+    assert X.GridSpec.from_dict(json.loads(json.dumps(spec.to_dict()))) == spec
+    spec.private_method_overrides = {"fedpower": {"dp.epsilon": 1.0}}
+    with pytest.raises(X.GridError, match="private-method-overrides.fedpower: dp.epsilon define"):
+        X.validate(spec, out)
