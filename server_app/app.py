@@ -194,6 +194,18 @@ def progress_line(report: RoundReport, metrics: MetricRecord | None, num_rounds:
             + (f"| round {round_seconds:.1f} s " if round_seconds is not None else "") + f"| elapsed {wall:.1f} s")
 
 
+def check_released_rounds(rows: list[dict], round_type) -> None:
+    """Refuse to resume when the checkpoint's rounds released other round types than this code
+    would (a checkpoint of an older version whose release changed, e.g. the client-level paper's
+    PowerDP before it released round deltas): the run would mix two mechanisms."""
+    changed = [f"round {int(r['server_round'])}: {r['round_type']} -> {round_type(int(r['server_round']))}"
+               for r in rows if "round_type" in r and r["round_type"] != round_type(int(r["server_round"]))]
+    if changed:
+        raise CK.CheckpointError("the checkpoint's rounds were released by another mechanism than this code uses ("
+                                 + "; ".join(changed[:3]) + (" ..." if len(changed) > 3 else "")
+                                 + "); refusing to resume: start the run over")
+
+
 def resume_state(cfg: RunConfig, run_dir: Path, checkpoint: dict | None, strategy, privacy,
                  population_sizes: list[int], results: ResultsWriter, initial_state: dict) -> tuple[int, dict]:
     """Restore a checkpoint into the strategy and the privacy layer; account for a round that was
@@ -205,6 +217,7 @@ def resume_state(cfg: RunConfig, run_dir: Path, checkpoint: dict | None, strateg
         if list(checkpoint["population_sizes"]) != population_sizes:
             raise CK.CheckpointError(f"the checkpoint's silos held {list(checkpoint['population_sizes'])} examples, "
                                      f"the connected ones hold {population_sizes}: another population; refusing to resume")
+        check_released_rounds((checkpoint.get("results") or {}).get("rounds") or [], strategy.round_type)
         try:
             privacy.load_state_dict(checkpoint["privacy"])
         except ValueError as exc:

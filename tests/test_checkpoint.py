@@ -65,6 +65,20 @@ def test_mismatched_checkpoint_is_refused_with_the_reason(tmp_path):
         CK.load_checkpoint(tmp_path, config=other, strategy=cfg["strategy.name"])
 
 
+def test_a_checkpoint_of_another_release_mechanism_is_refused():
+    """A checkpoint whose rounds released other round types than this code would (an older
+    version's client-level paper's PowerDP released whole adapters as "powerdp") is not resumed."""
+    from server_app.app import check_released_rounds
+    from strategies import mechanisms as MECH
+
+    def now(t):
+        return MECH.round_type("fedpower", t, level="client", refactorization="powerdp")
+
+    check_released_rounds([{"server_round": 1, "round_type": "powerdp-delta"}, {"server_round": 2}], now)
+    with pytest.raises(CK.CheckpointError, match="round 1: powerdp -> powerdp-delta"):
+        check_released_rounds([{"server_round": 1, "round_type": "powerdp"}], now)
+
+
 def test_a_run_directory_with_a_checkpoint_is_not_silently_restarted(tmp_path):
     from server_app.app import open_checkpoint, run_directory
 
