@@ -245,19 +245,23 @@ class GridSpec:
             out.append(("custom", *self.custom))
         return out
 
-    def dp_level(self, task: str, eps: float | None) -> str:
-        """The DP level a cell at ``eps`` runs at: none without epsilon, else the preset's (and the
-        grid overrides') dp.level, sample by default (as cell_overrides sets it)."""
-        if eps is None:
-            return "none"
-        level = "sample"
+    def base_overrides(self, task: str) -> dict[str, Any]:
+        """The preset's run-config keys for ``task``, then the grid's overrides (every cell's base)."""
+        ov: dict[str, Any] = {}
         if self.preset:
             preset = Path(self.preset.replace("{task}", task))
             if not preset.exists():
                 raise GridError(f"preset {preset} not found")
-            level = load_preset(str(preset)).get("dp.level", level)
-        level = self.overrides.get("dp.level", level)
-        return "sample" if level == "none" else str(level)
+            ov.update(load_preset(str(preset)))
+        ov.update(self.overrides)
+        return ov
+
+    def dp_level(self, task: str, eps: float | None) -> str:
+        """The DP level a cell at ``eps`` runs at (cell_overrides sets it from this)."""
+        if eps is None:
+            return "none"
+        level = self.base_overrides(task).get("dp.level", "sample")  # the config's default level
+        return "sample" if level == "none" else str(level)  # an epsilon asks for DP
 
     def cell_for(self, task: str, method: str, eps: float | None, seed: int) -> Cell:
         """The cell that computes (task, method, eps, seed). A client-level variant (the paper's
@@ -347,10 +351,7 @@ def _resolve_path(path: str, base: Path) -> str:
 
 def cell_overrides(spec: GridSpec, cell: Cell, out: Path) -> dict[str, Any]:
     """The exact run-config passed to ``flwr run`` for a cell (preset + grid overrides + cell)."""
-    ov: dict[str, Any] = {}
-    if spec.preset:
-        ov.update(load_preset(spec.preset.replace("{task}", cell.task)))
-    ov.update(spec.overrides)
+    ov = spec.base_overrides(cell.task)
     ov["task.name"] = cell.task
     if spec.data_dir is not None:
         ov["task.data-dir"] = spec.data_dir.replace("{task}", cell.task)
@@ -360,8 +361,8 @@ def cell_overrides(spec: GridSpec, cell: Cell, out: Path) -> dict[str, Any]:
         if spec.nonprivate_lr is not None:
             ov["train.lr"] = float(spec.nonprivate_lr)
     else:
-        if ov.get("dp.level", "sample") == "none":
-            ov["dp.level"] = "sample"
+        if ov.get("dp.level") == "none":
+            ov["dp.level"] = spec.dp_level(cell.task, cell.epsilon)
         ov["dp.epsilon"] = float(cell.epsilon)
     ov.update(spec.overrides_of(cell.method, cell.epsilon))
     ov["seed"] = int(cell.seed)
