@@ -83,6 +83,17 @@ def _fixed(args: SensitivityArgs) -> float:
     return args.clip / float(m)
 
 
+def _powerdp_diameter(args: SensitivityArgs) -> list:
+    """The paper's PowerDP: each released factor is normalised, its sensitivity its diameter 2C
+    (the input average has norm <= C: whole adapters, or a delta averaged over the replies)."""
+    return [2.0 * args.clip, 2.0 * args.clip]
+
+
+def _output_diameters(args: SensitivityArgs) -> list:
+    """Output perturbation: A (orthonormal rows of M modules, rank r) and B (norm <= C) by diameter."""
+    return [2.0 * math.sqrt(args.num_modules * args.rank), 2.0 * args.clip]
+
+
 def _iters(args: SensitivityArgs) -> int:
     if not isinstance(args.iters, int) or args.iters <= 0:
         raise ValueError(f"iters must be a positive integer, got {args.iters!r}")
@@ -98,7 +109,7 @@ BOTH = ("sample", "client")
 
 MECHANISMS: dict[str, Mechanism] = {m.name: m for m in (
     # -- the paper's mechanisms on the silos' whole clipped adapters (server-side noise) ----------
-    Mechanism("powerdp", "server", BOTH, ("B_tilde", "A_tilde"), lambda a: [2.0 * a.clip, 2.0 * a.clip], False,
+    Mechanism("powerdp", "server", BOTH, ("B_tilde", "A_tilde"), _powerdp_diameter, False,
               lambda u, ctx, s, g, x: R.fedpower_release(u, ctx, s[0], g),
               "PowerDP (paper Alg. 1): diameter 2C per released factor"),
     Mechanism("fedlora", "server", BOTH, ("A_avg", "B_avg"), lambda a: [_linear(a)] * 2, True,
@@ -108,7 +119,7 @@ MECHANISMS: dict[str, Mechanism] = {m.name: m for m in (
     Mechanism("input", "server", BOTH, ("W",), lambda a: [_linear(a)], True,
               lambda u, ctx, s, g, x: R.input_perturbation_release(u, ctx, s[0], g), "input perturbation"),
     Mechanism("output", "server", BOTH, ("A", "B"),
-              lambda a: [2.0 * math.sqrt(a.num_modules * a.rank), 2.0 * a.clip], False,
+              _output_diameters, False,
               lambda u, ctx, s, g, x: R.output_perturbation_release(u, ctx, s[0], s[1], g), "output perturbation"),
     # -- client level, on round deltas, fixed denominator (strategies/client_delta.py) -------------
     Mechanism("powerdp-l", "server", ("client",), ("Y", "X"), lambda a: [_fixed(a)] * (2 * _iters(a)), False,
@@ -125,11 +136,11 @@ MECHANISMS: dict[str, Mechanism] = {m.name: m for m in (
               "input perturbation of B_g A_g + average delta"),
     # the paper's factor-noise releases on the round's averaged delta (ablations; random
     # denominator, so the average has norm <= C and their diameter sensitivities hold unchanged)
-    Mechanism("powerdp-delta", "server", ("client",), ("B_tilde", "A_tilde"), lambda a: [2.0 * a.clip, 2.0 * a.clip],
+    Mechanism("powerdp-delta", "server", ("client",), ("B_tilde", "A_tilde"), _powerdp_diameter,
               False, lambda u, ctx, s, g, x: CD.powerdp_delta_release(u, ctx, x.glob, s[0], g),
               "the paper's PowerDP on the averaged round delta: diameter 2C per released factor"),
     Mechanism("output-delta", "server", ("client",), ("A", "B"),
-              lambda a: [2.0 * math.sqrt(a.num_modules * a.rank), 2.0 * a.clip], False,
+              _output_diameters, False,
               lambda u, ctx, s, g, x: CD.output_delta_release(u, ctx, x.glob, s[0], s[1], g),
               "output perturbation on the averaged round delta"),
     # -- DP-SGD inside every silo (fedpower_app.dp_sgd): the server's release is post-processing ---
