@@ -455,6 +455,76 @@ def is_finished(out: Path, cell: Cell) -> bool:
     return cell_status(out, cell) in FINISHED
 
 
+@dataclass(frozen=True)
+class CellProgress:
+    """Where one cell stands, for ``--dry-run``: ``state`` is ``finished``, ``stale`` (finished with
+    other settings: runs again), ``running`` (another process holds it now), ``interrupted`` (resumes
+    from its checkpoint), ``restart`` (an attempt without a usable checkpoint, or a failed one: runs
+    again from round 0) or ``missing``."""
+
+    state: str
+    text: str
+    rounds_done: int
+    rounds_total: int  # the grid's num-server-rounds for this cell
+    wall_seconds: float | None = None
+
+
+def cell_progress(spec: GridSpec, cell: Cell, out: Path) -> CellProgress:
+    overrides = cell_overrides(spec, cell, out)
+    total = parse_config(overrides)["num-server-rounds"]
+    data = read_results(results_path(out, cell))
+    held = _held(out, cell)
+    if data is None:
+        return CellProgress("running" if held else "missing",
+                            "running now: no round finished yet" if held else "missing", 0, total)
+    rounds = data.get("rounds") or []
+    done = int(rounds[-1]["server_round"]) if rounds else 0
+    of = f"/{total}"
+    wall = (data.get("totals") or {}).get("wall_seconds")
+    status = str(data.get("status", "unknown"))
+    if status in FINISHED:
+        changes = config_changes(spec, cell, out)
+        m = cell_metrics(data)
+        acc = f"accuracy {m['final_accuracy']:.3f}" if m["final_accuracy"] is not None else "no evaluation"
+        eps = f", eps {m['epsilon']:.2f}" if m["epsilon"] is not None else ""
+        took = f", {_fmt_seconds(wall)}" if wall else ""
+        if changes:
+            return CellProgress("stale", f"{status} but STALE, runs again ({', '.join(changes)})", 0, total)
+        return CellProgress("finished", f"{status}: {acc}{eps}, {done} rounds{took}", done, total, wall)
+    if held:
+        return CellProgress("running", f"running now: round {done}{of} done"
+                            + (f", {_fmt_seconds(wall)} so far" if wall else ""), done, total, wall)
+    if status == "running" and resumable_round(out / "cells" / cell.cell_id, overrides) is not None:
+        return CellProgress("interrupted", f"interrupted after round {done}{of}: resumes from its checkpoint",
+                            done, total, wall)
+    return CellProgress("restart", f"{status} after round {done}{of}: runs again from the start", 0, total)
+
+
+def grid_status(spec: GridSpec, cells: Sequence[Cell], out: Path) -> str:
+    """The ``--dry-run`` report: one line per cell, then the counts and an estimate of the cell time
+    left at one worker (the median time per round of the finished cells, times the rounds left)."""
+    lines = [f"{len(cells)} cells -> {out}"]
+    progress = [cell_progress(spec, c, out) for c in cells]
+    for i, (c, p) in enumerate(zip(cells, progress), 1):
+        lines.append(f"  {i:3d}. {c.cell_id:45s} {p.text}")
+    counts: dict[str, int] = {}
+    for p in progress:
+        counts[p.state] = counts.get(p.state, 0) + 1
+    order = ("finished", "running", "interrupted", "stale", "restart", "missing")
+    names = {"finished": "finished", "running": "running now", "interrupted": "interrupted (resume)",
+             "stale": "stale (run again)", "restart": "to restart", "missing": "not started"}
+    summary = ", ".join(f"{counts[k]} {names[k]}" for k in order if counts.get(k))
+    per_round = [p.wall_seconds / p.rounds_done for p in progress
+                 if p.state == "finished" and p.wall_seconds and p.rounds_done]
+    if per_round:
+        left = sum(p.rounds_total - p.rounds_done for p in progress if p.state != "finished")
+        secs = statistics.median(per_round) * left
+        summary += (f"; about {_fmt_seconds(secs)} of cell time left at one worker ({left:g} rounds at the "
+                    f"finished cells' median {_fmt_seconds(statistics.median(per_round))} per round)")
+    lines.append(summary)
+    return "\n".join(lines)
+
+
 # Keys that say where a cell runs, not what it computes: a change in them does not make a result stale.
 _LOCATION_KEYS = frozenset({"task.data-dir", "output-dir", "run-name", "resume"})
 _UNSET = "(unset)"
@@ -1550,7 +1620,7 @@ def make_parser() -> argparse.ArgumentParser:
                         "real ServerApp and ClientApp in one child process with one model for all virtual clients "
                         "(client-level DP with 1,000 clients on a CPU; not a deployment path)")
     r.add_argument("--threads", type=int, metavar="N", help="torch threads of an inprocess cell (default: torch's)")
-    r.add_argument("--dry-run", action="store_true", help="list the cells and their status, run nothing")
+    r.add_argument("--dry-run", action="store_true", help="list the cells, where each stands and the cell time left; run nothing")
     r.add_argument("--report-only", action="store_true", help="only (re)write tables and figures from finished cells")
     r.add_argument("--max-cells", type=int, metavar="N", help="run at most N unfinished cells this time")
     r.add_argument("--max-consecutive-failures", type=int, default=3, metavar="N",
@@ -1587,12 +1657,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"fedpower-experiment: error: {exc}", file=sys.stderr)
         return 2
     if args.dry_run:
-        print(f"{len(cells)} cells -> {out}")
-        for i, c in enumerate(cells, 1):
-            status = cell_status(out, c)
-            changes = config_changes(spec, c, out) if status in FINISHED else []
-            print(f"  {i:3d}. {c.cell_id:45s} {status}"
-                  + (f" but STALE, runs again ({', '.join(changes)})" if changes else ""))
+        print(grid_status(spec, cells, out))
         return 0
     summary = None
     if not args.report_only:

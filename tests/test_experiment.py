@@ -826,6 +826,36 @@ def test_dry_run_marks_stale_cells(tmp_path, capsys):
     assert "completed but STALE, runs again (train.lr:" in capsys.readouterr().out
 
 
+def test_dry_run_reports_progress_and_time_left(tmp_path):
+    """--dry-run tells an operator of a long grid where each cell stands (finished with its accuracy,
+    running now in another process, interrupted and resumable, to restart, not started) and how much
+    cell time is left, from the finished cells' time per round."""
+    total = 5
+    spec = tiny_spec(seeds=[0, 1, 2], overrides={"num-server-rounds": total})  # 6 cells
+    cells = X.validate(spec, tmp_path)
+    _finished_cell(tmp_path, spec, cells[0], acc=0.7)  # fake_results: 2 rounds in 10 s
+    _interrupted_cell(tmp_path, spec, cells[1])  # 2 rounds done, checkpointed
+    other = _interrupted_cell(tmp_path, spec, cells[2], overrides={"train.lr": 9.0})  # other settings
+    running = X._try_lock(tmp_path / "locks" / f"{cells[3].cell_id}.lock")  # another worker holds it
+    try:
+        progress = [X.cell_progress(spec, c, tmp_path) for c in cells]
+        report = X.grid_status(spec, cells, tmp_path)
+    finally:
+        running.close()
+    assert [p.state for p in progress] == ["finished", "interrupted", "restart", "running", "missing", "missing"]
+    assert "completed: accuracy 0.700" in progress[0].text and "eps 5.90, 2 rounds, 0m10s" in progress[0].text
+    assert progress[1].text == f"interrupted after round 2/{total}: resumes from its checkpoint"
+    assert progress[2].text == f"running after round 2/{total}: runs again from the start" and other.exists()
+    assert progress[3].text == "running now: no round finished yet"
+    lines = report.splitlines()
+    assert lines[0] == f"6 cells -> {tmp_path}" and cells[0].cell_id in lines[1] and len(lines) == 8
+    # 5 s per round (the finished cell); rounds left: the interrupted cell's total - 2, the rest in full
+    left = (total - 2) + 4 * total
+    assert lines[-1] == (f"1 finished, 1 running now, 1 interrupted (resume), 1 to restart, 2 not started; about "
+                         f"{X._fmt_seconds(5.0 * left)} of cell time left at one worker ({left} rounds at the "
+                         f"finished cells' median 0m05s per round)")
+
+
 def test_client_level_variant_shares_its_base_cell_away_from_client_dp(tmp_path):
     """FedPower with the paper's PowerDP differs from FedPower only in the client-level release:
     without DP (or at sample level) it is the same run, so the grid runs it once and both rows
