@@ -65,6 +65,7 @@ optionally with its own learning rate, --nonprivate-lr; the paper uses 0.05 vs 0
 from __future__ import annotations
 
 import argparse
+import collections
 import csv
 import json
 import math
@@ -473,13 +474,13 @@ def cell_progress(spec: GridSpec, cell: Cell, out: Path) -> CellProgress:
     overrides = cell_overrides(spec, cell, out)
     total = parse_config(overrides)["num-server-rounds"]
     data = read_results(results_path(out, cell))
-    held = _held(out, cell)
+    # probe only a lock that exists: a dry run creates nothing in the output directory
+    held = (out / "locks" / f"{cell.cell_id}.lock").exists() and _held(out, cell)
     if data is None:
         return CellProgress("running" if held else "missing",
                             "running now: no round finished yet" if held else "missing", 0, total)
     rounds = data.get("rounds") or []
     done = int(rounds[-1]["server_round"]) if rounds else 0
-    of = f"/{total}"
     wall = (data.get("totals") or {}).get("wall_seconds")
     status = str(data.get("status", "unknown"))
     if status in FINISHED:
@@ -492,12 +493,12 @@ def cell_progress(spec: GridSpec, cell: Cell, out: Path) -> CellProgress:
             return CellProgress("stale", f"{status} but STALE, runs again ({', '.join(changes)})", 0, total)
         return CellProgress("finished", f"{status}: {acc}{eps}, {done} rounds{took}", done, total, wall)
     if held:
-        return CellProgress("running", f"running now: round {done}{of} done"
+        return CellProgress("running", f"running now: round {done}/{total} done"
                             + (f", {_fmt_seconds(wall)} so far" if wall else ""), done, total, wall)
     if status == "running" and resumable_round(out / "cells" / cell.cell_id, overrides) is not None:
-        return CellProgress("interrupted", f"interrupted after round {done}{of}: resumes from its checkpoint",
+        return CellProgress("interrupted", f"interrupted after round {done}/{total}: resumes from its checkpoint",
                             done, total, wall)
-    return CellProgress("restart", f"{status} after round {done}{of}: runs again from the start", 0, total)
+    return CellProgress("restart", f"{status} after round {done}/{total}: runs again from the start", 0, total)
 
 
 def grid_status(spec: GridSpec, cells: Sequence[Cell], out: Path) -> str:
@@ -507,9 +508,7 @@ def grid_status(spec: GridSpec, cells: Sequence[Cell], out: Path) -> str:
     progress = [cell_progress(spec, c, out) for c in cells]
     for i, (c, p) in enumerate(zip(cells, progress), 1):
         lines.append(f"  {i:3d}. {c.cell_id:45s} {p.text}")
-    counts: dict[str, int] = {}
-    for p in progress:
-        counts[p.state] = counts.get(p.state, 0) + 1
+    counts = collections.Counter(p.state for p in progress)
     order = ("finished", "running", "interrupted", "stale", "restart", "missing")
     names = {"finished": "finished", "running": "running now", "interrupted": "interrupted (resume)",
              "stale": "stale (run again)", "restart": "to restart", "missing": "not started"}

@@ -847,6 +847,8 @@ def test_dry_run_reports_progress_and_time_left(tmp_path):
     assert progress[1].text == f"interrupted after round 2/{total}: resumes from its checkpoint"
     assert progress[2].text == f"running after round 2/{total}: runs again from the start" and other.exists()
     assert progress[3].text == "running now: no round finished yet"
+    fresh = tmp_path / "fresh"  # a dry run creates nothing
+    assert X.cell_progress(spec, cells[0], fresh).state == "missing" and not fresh.exists()
     lines = report.splitlines()
     assert lines[0] == f"6 cells -> {tmp_path}" and cells[0].cell_id in lines[1] and len(lines) == 8
     # 5 s per round (the finished cell); rounds left: the interrupted cell's total - 2, the rest in full
