@@ -1678,9 +1678,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         except GridError as exc:
             print(f"fedpower-experiment: error: {exc}", file=sys.stderr)
             return 2
+    if args.report_only and not (out / "cells").is_dir():
+        print(f"fedpower-experiment: error: --report-only: no cells in {out} (run the grid first)", file=sys.stderr)
+        return 2
     written = write_report(spec, out)
     print(f"fedpower-experiment: wrote {', '.join(t + '.md/.csv' for t in written['tables'])} and "
           f"{len(written['figures'])} figure(s) in {out}")
+    narrowed = [f"--{k}" for k in ("methods", "epsilons", "seeds", "tasks") if getattr(args, k) is not None]
+    if args.grid and narrowed:
+        # The tables are this invocation's selection: a worker that ran one method must not leave
+        # the grid's tables looking as if the others had no results.
+        print(f"fedpower-experiment: the tables cover only the cells selected by {', '.join(narrowed)}; for the "
+              f"whole grid: fedpower-experiment --grid {args.grid} --report-only", file=sys.stderr)
     if written["stale"]:
         print(f"fedpower-experiment: left out of the tables, made with other settings than the grid's (run the grid "
               f"to redo them): {', '.join(written['stale'])}", file=sys.stderr)

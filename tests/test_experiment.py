@@ -858,6 +858,21 @@ def test_dry_run_reports_progress_and_time_left(tmp_path):
                          f"finished cells' median 0m05s per round)")
 
 
+def test_a_narrowed_grid_says_its_tables_cover_only_its_cells(tmp_path, capsys):
+    grid = tmp_path / "g.toml"
+    grid.write_text(f'out = "{tmp_path / "out"}"\npreset = "{TINY}"\ntasks = ["synthetic"]\n'
+                    'methods = ["fedpower", "fedlora"]\nepsilons = [8]\n')
+    assert X.main(["--grid", str(grid), "--report-only"]) == 2  # nothing run yet: a clear error, no traceback
+    assert f"--report-only: no cells in {tmp_path / 'out'} (run the grid first)" in capsys.readouterr().err
+    (tmp_path / "out" / "cells").mkdir(parents=True)
+    assert X.main(["--grid", str(grid), "--report-only"]) == 0
+    assert "cover only" not in capsys.readouterr().err
+    assert X.main(["--grid", str(grid), "--methods", "fedlora", "--seeds", "0", "--report-only"]) == 0
+    err = capsys.readouterr().err
+    assert "the tables cover only the cells selected by --methods, --seeds" in err
+    assert f"fedpower-experiment --grid {grid} --report-only" in err
+
+
 def test_client_level_variant_shares_its_base_cell_away_from_client_dp(tmp_path):
     """FedPower with the paper's PowerDP differs from FedPower only in the client-level release:
     without DP (or at sample level) it is the same run, so the grid runs it once and both rows
