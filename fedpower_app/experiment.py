@@ -485,12 +485,12 @@ def cell_progress(spec: GridSpec, cell: Cell, out: Path) -> CellProgress:
     status = str(data.get("status", "unknown"))
     if status in FINISHED:
         changes = config_changes(spec, cell, out)
+        if changes:
+            return CellProgress("stale", f"{status} but STALE, runs again ({', '.join(changes)})", 0, total)
         m = cell_metrics(data)
         acc = f"accuracy {m['final_accuracy']:.3f}" if m["final_accuracy"] is not None else "no evaluation"
         eps = f", eps {m['epsilon']:.2f}" if m["epsilon"] is not None else ""
         took = f", {_fmt_seconds(wall)}" if wall else ""
-        if changes:
-            return CellProgress("stale", f"{status} but STALE, runs again ({', '.join(changes)})", 0, total)
         return CellProgress("finished", f"{status}: {acc}{eps}, {done} rounds{took}", done, total, wall)
     if held:
         return CellProgress("running", f"running now: round {done}/{total} done"
@@ -518,7 +518,7 @@ def grid_status(spec: GridSpec, cells: Sequence[Cell], out: Path) -> str:
     if per_round:
         left = sum(p.rounds_total - p.rounds_done for p in progress if p.state != "finished")
         secs = statistics.median(per_round) * left
-        summary += (f"; about {_fmt_seconds(secs)} of cell time left at one worker ({left:g} rounds at the "
+        summary += (f"; about {_fmt_seconds(secs)} of cell time left at one worker ({left} rounds at the "
                     f"finished cells' median {_fmt_seconds(statistics.median(per_round))} per round)")
     lines.append(summary)
     return "\n".join(lines)
