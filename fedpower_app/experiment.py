@@ -498,7 +498,10 @@ def cell_progress(spec: GridSpec, cell: Cell, out: Path) -> CellProgress:
     if status == "running" and resumable_round(out / "cells" / cell.cell_id, overrides) is not None:
         return CellProgress("interrupted", f"interrupted after round {done}/{total}: resumes from its checkpoint",
                             done, total, wall)
-    return CellProgress("restart", f"{status} after round {done}/{total}: runs again from the start", 0, total)
+    # results.json says "running" here only because its process died without a usable checkpoint
+    how = "interrupted" if status == "running" else status
+    return CellProgress("restart", f"{how} after round {done}/{total}, no checkpoint to resume: runs again "
+                        "from the start", 0, total)
 
 
 def grid_status(spec: GridSpec, cells: Sequence[Cell], out: Path) -> str:

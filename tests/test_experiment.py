@@ -845,7 +845,8 @@ def test_dry_run_reports_progress_and_time_left(tmp_path):
     assert [p.state for p in progress] == ["finished", "interrupted", "restart", "running", "missing", "missing"]
     assert "completed: accuracy 0.700" in progress[0].text and "eps 5.90, 2 rounds, 0m10s" in progress[0].text
     assert progress[1].text == f"interrupted after round 2/{total}: resumes from its checkpoint"
-    assert progress[2].text == f"running after round 2/{total}: runs again from the start" and other.exists()
+    assert progress[2].text == (f"interrupted after round 2/{total}, no checkpoint to resume: "
+                                "runs again from the start") and other.exists()
     assert progress[3].text == "running now: no round finished yet"
     fresh = tmp_path / "fresh"  # a dry run creates nothing
     assert X.cell_progress(spec, cells[0], fresh).state == "missing" and not fresh.exists()
