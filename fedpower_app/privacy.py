@@ -20,6 +20,18 @@ from .accounting.silo import SiloLedger, calibrate_noise_multiplier, dp_sgd_epsi
 log = logging.getLogger("fedpower")
 
 
+def seeded_noise_warning(cfg: RunConfig) -> str | None:
+    """The caveat of a private run with ``dp.noise = "seeded"`` (None otherwise). Every noise draw and
+    sampling coin is a function of the run seed, and the seed travels in the run config to every
+    silo (and into results.json): whoever knows it can subtract the noise. Right for a reproducible
+    experiment, wrong for a deployment."""
+    if not cfg.dp_enabled or cfg["dp.noise"] != "seeded":
+        return None
+    return (f"privacy: dp.noise = seeded: every noise draw and sampling coin follows from seed={cfg['seed']}, "
+            "which every silo receives in the run config and results.json records; whoever knows it can "
+            "subtract the noise. Reproducible for experiments; a deployment must set dp.noise = \"hardened\"")
+
+
 class NonPrivate(NoPrivacy):
     """``dp.level = none``: no clipping, no noise; ε is reported as n/a."""
 

@@ -22,7 +22,7 @@ from fedpower_app import data as D
 from fedpower_app import model as M
 from fedpower_app.config import RunConfig, parse_config
 from fedpower_app.logging_setup import setup_logging
-from fedpower_app.privacy import build_privacy
+from fedpower_app.privacy import build_privacy, seeded_noise_warning
 from fedpower_app.released import save_released
 from fedpower_app.results import ResultsWriter
 from fedpower_app.training import evaluate as evaluate_model
@@ -308,6 +308,10 @@ def _run(grid: Grid, cfg: RunConfig, run_dir: Path, results: ResultsWriter, chec
     results.set("privacy", privacy.describe())
     for line in privacy.summary_lines():
         log.info("%s", line)
+    caveat = seeded_noise_warning(cfg)
+    if caveat:
+        log.warning("%s", caveat)
+        results.set("noise_source_caveat", caveat)
 
     noise = NoiseSource(cfg["seed"], cfg["dp.noise"])
     strategy = build_strategy(

@@ -41,6 +41,8 @@ def test_fedpower_sample_level_run_accounts_and_saves(tmp_path):
     assert res["totals"]["bytes_up"] > 0 and res["totals"]["bytes_down"] > 0
     assert (run_dir / "adapter" / "adapter_config.json").exists()
     assert res["privacy_final"]["epsilon_spent"] == pytest.approx(eps[-1])
+    # a seeded private run says in its results that the seed reveals the noise
+    assert "seed=0" in res["noise_source_caveat"] and "hardened" in res["noise_source_caveat"]
 
 
 def test_ffa_lora_real_clients_never_change_a(tmp_path):
@@ -81,6 +83,7 @@ def test_nonprivate_fedlora_learns(tmp_path):
     res, _ = run_inprocess(tmp_path, **{"num-server-rounds": 8, "strategy.name": "fedlora", "dp.level": "none",
                                         "train.local-steps": 6, "train.lr": 0.005})
     assert res["rounds"][-1]["epsilon"] is None
+    assert "noise_source_caveat" not in res  # no noise, no caveat
     initial, final = res["initial_evaluation"], res["rounds"][-1]
     assert final["loss"] <= initial["loss"] - 0.1
     assert res["totals"]["best_accuracy"] >= max(initial["accuracy"] + 0.15, 0.75)

@@ -7,7 +7,7 @@ from flwr.app import ArrayRecord
 
 from fedpower_app import accounting as A
 from fedpower_app.config import parse_config
-from fedpower_app.privacy import AccountedPrivacy, NonPrivate, build_privacy
+from fedpower_app.privacy import AccountedPrivacy, NonPrivate, build_privacy, seeded_noise_warning
 from strategies.flower import FedPowerStrategy
 from strategies.noise import NoiseSource
 from fedpower_app.inprocess import InProcessGrid
@@ -84,3 +84,11 @@ def test_fixed_noise_multiplier_reports_epsilon():
 def test_non_private():
     p = hook(**{"dp.level": "none"})
     assert isinstance(p, NonPrivate) and not p.enabled and p.epsilon() is None
+
+
+def test_a_seeded_private_run_is_told_that_its_seed_reveals_the_noise():
+    # The seed is in the run config every silo receives: with seeded noise they can subtract it.
+    warning = seeded_noise_warning(parse_config({"seed": 7, "dp.level": "client"}))
+    assert "seed=7" in warning and 'dp.noise = "hardened"' in warning
+    assert seeded_noise_warning(parse_config({"dp.level": "client", "dp.noise": "hardened"})) is None
+    assert seeded_noise_warning(parse_config({"dp.level": "none"})) is None
