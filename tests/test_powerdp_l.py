@@ -5,7 +5,10 @@
 * the noise on every released block (Y and X of every iteration) has the calibrated std;
 * a Monte-Carlo audit of one round on a worst-case neighbouring pair (the exact likelihood-ratio
   test on the released Y and X) stays below the claimed epsilon, and a negative control with half
-  the noise exceeds it (the audit has the power to catch a wrong calibration).
+  the noise exceeds it (the audit has the power to catch a wrong calibration);
+* the same audit end to end, on neighbouring client sets through the product's release (its clip,
+  fixed denominator, public add-back, head release and the real noise sampler): the GDP fit is
+  1/z, and 2/z with half the noise.
 """
 
 from __future__ import annotations
@@ -179,3 +182,123 @@ def test_client_level_accounting_matches_dp_accounting_with_the_fixed_denominato
     acc.compose(dp_accounting.PoissonSampledDpEvent(q_c, dp_accounting.GaussianDpEvent(z_from_stds)), T)
     assert acc.get_epsilon(delta) == pytest.approx(cal.epsilon, rel=1e-3)
     assert cal.epsilon <= eps * (1 + 1e-6) and cal.epsilon > 0.99 * eps  # calibrated to the budget
+
+
+# ------------------------------------------------------------------------------------------------
+# The same audit end to end: the product's release (strategies.mechanisms "powerdp-l"), its clip,
+# fixed denominator, public add-back, head release and the real NoiseSource sampler.
+# ------------------------------------------------------------------------------------------------
+
+
+class RecordingNoise:
+    """The product's seeded NoiseSource, keeping a copy of every draw (the release writes into them)."""
+
+    def __init__(self):
+        from strategies import NoiseSource
+
+        self.source, self.draws = NoiseSource(0), []
+
+    def gaussian(self, shape, std, generator, **kw):
+        x = self.source.gaussian(shape, std, generator, **kw)
+        self.draws.append((tuple(shape), float(std), x.clone()))
+        return x
+
+
+def released_pair(noise_std, trials, seed, *, C=1.0, m=5.0, iters=1, check_replay=20):
+    """Neighbouring client sets D and D + {x} through the real release. x's change ||dW_x|| = 50 C
+    (clipped to C) lies along e q1, in the row space of the public warm start A_g = q and kept in the
+    span of P by the public part (the worst case, as in ``simulate_pair``); x changes no head (with
+    equal stds, the bound 2k||dW||^2 + ||dhead||^2 <= 2k C^2 is tightest then). The test recomputes
+    each world's W densely with its own clipping, replays the release from the recorded draws
+    (checked equal to the release's output) and scores the exact log-LR of the transcript."""
+    from strategies import mechanisms as MECH
+    from strategies.aggregation import CLIP_MARGIN, AdapterUpdate, group_modules
+    from strategies.releases import ReleaseContext
+
+    mdim, n, r = 6, 5, 2
+    q = orthonormalize_rows(torch.randn(1, r, n, generator=gen(100), dtype=F64))[0]
+    e = torch.zeros(mdim, dtype=F64)
+    e[0] = 1.0
+    A_g = {"q": q}
+    B_g = {"q": torch.stack([3.0 * e, 0.05 * torch.randn(mdim, generator=gen(101), dtype=F64)], dim=1)}
+    honest = [AdapterUpdate(A={"q": q + 0.02 * torch.randn(r, n, generator=gen(102 + i), dtype=F64)},
+                            B={"q": B_g["q"] + 0.02 * torch.randn(mdim, r, generator=gen(110 + i), dtype=F64)},
+                            extra={"head": 0.01 * torch.randn(2, generator=gen(120 + i), dtype=F64)}) for i in range(2)]
+    x_B = B_g["q"].clone()
+    x_B[:, 0] += 50.0 * C * e  # dW_x = 50 C e q1
+    x = AdapterUpdate(A={"q": q.clone()}, B={"q": x_B}, extra={"head": torch.zeros(2, dtype=F64)})
+    worlds = (honest, honest + [x])
+
+    target = C / (1 + CLIP_MARGIN)  # the product clips a hair inside C (float rounding stays below it)
+
+    def dense_w(updates):  # the threat model's W: public global + clipped changes / m (float64)
+        W = B_g["q"] @ q
+        for u in updates:
+            d = u.B["q"] @ u.A["q"] - B_g["q"] @ q
+            norm = math.sqrt(float(d.pow(2).sum() + u.extra["head"].pow(2).sum()))
+            W = W + min(1.0, target / norm) * d / m
+        return W
+
+    Ws = [dense_w(w) for w in worlds]
+    assert float(torch.linalg.norm(Ws[1] - Ws[0])) == pytest.approx(C / m, rel=2e-4)  # the full sensitivity
+    mech = MECH.get("powerdp-l")
+    noise = RecordingNoise()
+    ctx = ReleaseContext(groups=group_modules({"q": (mdim, n, r)}), extra_shapes={"head": (2,)}, clip=C, rank=r,
+                         power_iters=iters, noise=noise, dtype=F64)
+    args = MECH.ReleaseArgs(glob=(A_g, B_g), denominator=m)
+    rng = gen(seed)
+    scores, heads = [np.empty(trials), np.empty(trials)], []
+    for world, updates in enumerate(worlds):
+        for t in range(trials):
+            noise.draws.clear()
+            rel = mech.release(updates, ctx, [noise_std] * (2 * iters), rng, args)
+            shapes = [d[0] for d in noise.draws]
+            assert shapes == [(1, mdim, r), (1, r, n)] * iters + [(2,)]  # Y, X per iteration, then the head
+            assert all(d[1] == noise_std for d in noise.draws)  # every released block at the calibrated std
+            Q, score = q[None], 0.0
+            for it in range(iters):
+                NY, NX = noise.draws[2 * it][2], noise.draws[2 * it + 1][2]
+                Y = Ws[world] @ Q.transpose(-1, -2) + NY
+                m0, m1 = Ws[0] @ Q.transpose(-1, -2), Ws[1] @ Q.transpose(-1, -2)
+                score += float(((Y - (m0 + m1) / 2) * (m1 - m0)).sum()) / noise_std**2
+                P = orthonormalize_columns(Y)
+                X = P.transpose(-1, -2) @ Ws[world] + NX
+                x0, x1 = P.transpose(-1, -2) @ Ws[0], P.transpose(-1, -2) @ Ws[1]
+                score += float(((X - (x0 + x1) / 2) * (x1 - x0)).sum()) / noise_std**2
+                Q = orthonormalize_rows(X)
+            if t < check_replay:  # the transcript scored is the one the release made
+                assert torch.allclose(rel.A["q"], Q[0], atol=1e-9)
+                assert torch.allclose(rel.B["q"], (P @ (X @ Q.transpose(-1, -2)))[0], atol=1e-9)
+            scores[world][t] = score
+            heads.append(noise.draws[-1][2])
+    return scores, torch.stack(heads)
+
+
+def test_the_products_powerdp_l_release_passes_the_audit_end_to_end():
+    """Calibrated for z = 1 (plan.noise_stds): the worst-case pair through the real release gives a
+    GDP fit mu = 1/z (the calibration is tight and covers clipping, the fixed denominator and the
+    head), the Clopper-Pearson lower bound stays below the claimed eps, and with half the noise the
+    fit is 2/z (the audit sees a wrong calibration)."""
+    import dp_accounting
+
+    from fedpower_app.accounting.plan import noise_stds
+
+    C, m, z, iters, trials = 1.0, 5.0, 1.0, 1, 4000
+    stds = noise_stds("powerdp-l", "client", z, C, denominator=m, iters=iters)
+    assert stds == pytest.approx([math.sqrt(2 * iters) * z * C / m] * 2)
+    eps_claim = dp_accounting.get_epsilon_gaussian(z, DELTA)
+    scores, _ = released_pair(stds[0], trials, seed=3, C=C, m=m, iters=iters)
+    # one Y and one X release, each seeing the whole C/m: mu = sqrt(2) (C/m) / s = 1/z
+    assert audit.gdp_mu_estimate(*scores) == pytest.approx(1.0 / z, rel=0.06)
+    res = audit.audit_scores(scores[0], scores[1], delta=DELTA, alpha=0.05, rng=np.random.default_rng(0))
+    assert res.epsilon_lb <= eps_claim, res
+    scores, _ = released_pair(stds[0] / 2, trials, seed=4, C=C, m=m, iters=iters, check_replay=0)
+    assert audit.gdp_mu_estimate(*scores) == pytest.approx(2.0 / z, rel=0.06)
+
+
+def test_the_released_head_and_factors_carry_the_calibrated_noise():
+    """The real sampler's draws on the head (and every block) have the calibrated std."""
+    s = 0.37
+    _, heads = released_pair(s, 1500, seed=5, iters=2, check_replay=5)
+    assert float(heads.std()) == pytest.approx(s, rel=0.05)  # 6,000 draws (2 worlds x 1,500 x 2 entries)
+    assert abs(float(heads.mean())) < 4 * s / math.sqrt(heads.numel())
