@@ -18,13 +18,19 @@ adds Gaussian noise and adds the public global back. Releases (docs/privacy.md Â
 
 Noise is drawn from one generator in a fixed order (groups in sorted order; B before A; extras
 last). An empty round (no reply) still releases noise (fixed denominator: 0/m + noise).
+
+Precision: the clip bounds a client's contribution only as far as the arithmetic that forms it is
+exact. Deltas, norms, weighted sums and the merged W = B_g A_g + sum_i w_i dW_i (whose terms
+B_i A_i and B_g A_g can be far larger than C) are therefore computed in float64, and a release is
+cast to the run's dtype only once its noise is in (post-processing). The noise itself is drawn at
+the run's dtype, so a seeded run draws the same noise whatever the working precision.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .aggregation import AdapterUpdate, ModuleGroup, clip_scales, product_sq_norms, sq_norms, stack_group
+from .aggregation import AdapterUpdate, ModuleGroup, clip_scales, product_sq_norms, sq_norms, stack_group, weighted_sum
 from .powerdp import input_perturbation, output_perturbation, power_iteration, powerdp, powerdp_l
 from .releases import Release, ReleaseContext, _finish, _noisy_average
 
@@ -78,6 +84,22 @@ def _group_new_w_factors(updates, g, glob, w, device, dtype):
     return torch.cat(Bs, dim=-1), torch.cat(As, dim=-2), A_g
 
 
+F64 = torch.float64
+
+
+def _sampler_at_run_dtype(ctx: ReleaseContext):
+    """The noise source's sampler for float64 work: draws at the run's dtype (the same stream as a
+    float32 run), returned as a fresh float64 tensor."""
+    def sample(shape, std, generator, *, dtype, device):
+        return ctx.noise.gaussian(shape, std, generator, dtype=ctx.dtype, device=device).to(dtype)
+    return sample
+
+
+def _set_factors(out: Release, g, B, A, dtype) -> None:
+    for j, name in enumerate(g.names):
+        out.A[name], out.B[name] = A[j].to(dtype), B[j].to(dtype)
+
+
 def _extras_delta(updates, weights, std, generator, ctx):
     names = sorted(ctx.extra_shapes)
     if not names:
@@ -93,11 +115,10 @@ def powerdp_l_release(updates, ctx: ReleaseContext, glob: GlobalFactors, noise_s
     norms, scales, w = _clipped_delta_weights(updates, ctx, glob, denominator)
     out = Release()
     for g in ctx.groups:
-        Bs, As, A_g = _group_new_w_factors(updates, g, glob, w, ctx.device, ctx.dtype)
+        Bs, As, A_g = _group_new_w_factors(updates, g, glob, w, ctx.device, F64)
         B, A = powerdp_l(factors=(Bs, As), a_prev=A_g, iters=ctx.power_iters, noise_std=noise_std,
-                         generator=generator, sampler=ctx.noise.gaussian)
-        for j, name in enumerate(g.names):
-            out.A[name], out.B[name] = A[j], B[j]
+                         generator=generator, sampler=_sampler_at_run_dtype(ctx))
+        _set_factors(out, g, B, A, ctx.dtype)
     out.extra_delta = _extras_delta(updates, w, noise_std, generator, ctx)
     return _finish(out, norms, scales, k)
 
@@ -110,11 +131,10 @@ def input_delta_release(updates, ctx: ReleaseContext, glob: GlobalFactors, noise
     norms, scales, w = _clipped_delta_weights(updates, ctx, glob, denominator)
     out = Release()
     for g in ctx.groups:
-        Bs, As, _ = _group_new_w_factors(updates, g, glob, w, ctx.device, ctx.dtype)
+        Bs, As, _ = _group_new_w_factors(updates, g, glob, w, ctx.device, F64)
         B, A = input_perturbation(factors=(Bs, As), rank=ctx.rank, iters=ctx.power_iters, noise_std=noise_std,
-                                  generator=generator, sampler=ctx.noise.gaussian)
-        for j, name in enumerate(g.names):
-            out.A[name], out.B[name] = A[j], B[j]
+                                  generator=generator, sampler=_sampler_at_run_dtype(ctx))
+        _set_factors(out, g, B, A, ctx.dtype)
     out.extra_delta = _extras_delta(updates, w, noise_std, generator, ctx)
     return _finish(out, norms, scales, k)
 
@@ -127,29 +147,28 @@ def _noisy_delta_then_refactor(updates, ctx, glob, generator, release_fn):
     norms, scales, w = _clipped_delta_weights(updates, ctx, glob, max(k, 1))
     out = Release()
     for g in ctx.groups:
-        A_g = torch.stack([glob[0][n] for n in g.names]).to(ctx.device, ctx.dtype)
-        B_g = torch.stack([glob[1][n] for n in g.names]).to(ctx.device, ctx.dtype)
+        A_g = torch.stack([glob[0][n] for n in g.names]).to(ctx.device, F64)
+        B_g = torch.stack([glob[1][n] for n in g.names]).to(ctx.device, F64)
         if k:
             Bd, Ad, *_ = _factor_deltas(updates, g, glob, ctx.device)
-            ww = w.to(device=ctx.device, dtype=ctx.dtype).view(-1, 1, 1, 1)
-            Bs = torch.cat(list((Bd.to(ctx.dtype) * ww).unbind(0)), dim=-1)
-            As = torch.cat(list(Ad.to(ctx.dtype).unbind(0)), dim=-2)
+            ww = w.to(device=ctx.device, dtype=F64).view(-1, 1, 1, 1)
+            Bs = torch.cat(list((Bd.to(F64) * ww).unbind(0)), dim=-1)
+            As = torch.cat(list(Ad.to(F64).unbind(0)), dim=-2)
         else:
-            Bs = torch.zeros(len(g.names), g.m, g.r, dtype=ctx.dtype, device=ctx.device)
-            As = torch.zeros(len(g.names), g.r, g.n, dtype=ctx.dtype, device=ctx.device)
-        B_t, A_t = release_fn(Bs, As)
+            Bs = torch.zeros(len(g.names), g.m, g.r, dtype=F64, device=ctx.device)
+            As = torch.zeros(len(g.names), g.r, g.n, dtype=F64, device=ctx.device)
+        B_t, A_t = release_fn(Bs, As, _sampler_at_run_dtype(ctx))
         B, A = power_iteration(factors=(torch.cat([B_g, B_t], dim=-1), torch.cat([A_g, A_t], dim=-2)),
                                rank=ctx.rank, iters=max(ctx.power_iters, 2), generator=generator)
-        for j, name in enumerate(g.names):
-            out.A[name], out.B[name] = A[j], B[j]
+        _set_factors(out, g, B, A, ctx.dtype)
     return out, norms, scales, w, k
 
 
 def powerdp_delta_release(updates, ctx: ReleaseContext, glob: GlobalFactors, noise_std: float, generator) -> Release:
     """The paper's PowerDP on the averaged round delta (client-level ablation; diameter sensitivity)."""
-    def release(Bs, As):
+    def release(Bs, As, sampler):
         return powerdp(factors=(Bs, As), rank=ctx.rank, iters=ctx.power_iters, noise_std=noise_std,
-                       generator=generator, sampler=ctx.noise.gaussian)
+                       generator=generator, sampler=sampler)
 
     out, norms, scales, w, k = _noisy_delta_then_refactor(updates, ctx, glob, generator, release)
     out.extra_delta = _extras_delta(updates, w, noise_std, generator, ctx)
@@ -159,24 +178,26 @@ def powerdp_delta_release(updates, ctx: ReleaseContext, glob: GlobalFactors, noi
 def output_delta_release(updates, ctx: ReleaseContext, glob: GlobalFactors, noise_std_a: float, noise_std_b: float,
                          generator) -> Release:
     """Output perturbation on the averaged round delta (client-level ablation)."""
-    def release(Bs, As):
+    def release(Bs, As, sampler):
         return output_perturbation(factors=(Bs, As), rank=ctx.rank, iters=ctx.power_iters, noise_std_a=noise_std_a,
-                                   noise_std_b=noise_std_b, generator=generator, sampler=ctx.noise.gaussian)
+                                   noise_std_b=noise_std_b, generator=generator, sampler=sampler)
 
     out, norms, scales, w, k = _noisy_delta_then_refactor(updates, ctx, glob, generator, release)
     out.extra_delta = _extras_delta(updates, w, noise_std_b, generator, ctx)
     return _finish(out, norms, scales, k)
 
 
-def _linear_delta_release(updates, ctx, glob, noise_std, generator, denominator, *, with_a: bool) -> Release:
+def linear_delta_average(updates, ctx: ReleaseContext, glob: GlobalFactors, denominator: float, *, with_a: bool):
+    """The quantity the linear client-level releases noise: sum_i w_i (dB_i, dhead_i[, dA_i]) over
+    the fixed m, in float64, as {"B::name" | "X::name" | "A::name": tensor} in the draw order (B,
+    head, A); with the pre-clip norms and the clip scales."""
     names = [n for g in ctx.groups for n in g.names]
-    k = len(updates)
     deltas = []
     for u in updates:
-        d = {f"B::{n}": u.B[n] - glob[1][n] for n in names}
+        d = {f"B::{n}": u.B[n].to(F64) - glob[1][n].to(F64) for n in names}
         if with_a:
-            d.update({f"A::{n}": u.A[n] - glob[0][n] for n in names})
-        d.update({f"X::{n}": v for n, v in u.extra.items()})
+            d.update({f"A::{n}": u.A[n].to(F64) - glob[0][n].to(F64) for n in names})
+        d.update({f"X::{n}": v.to(F64) for n, v in u.extra.items()})
         deltas.append(d)
     shapes = {**{f"B::{n}": tuple(glob[1][n].shape) for n in names},
               **{f"X::{n}": ctx.extra_shapes[n] for n in ctx.extra_shapes}}
@@ -184,9 +205,19 @@ def _linear_delta_release(updates, ctx, glob, noise_std, generator, denominator,
         shapes.update({f"A::{n}": tuple(glob[0][n].shape) for n in names})
     order = [f"B::{n}" for n in names] + [f"X::{n}" for n in sorted(ctx.extra_shapes)] + \
         ([f"A::{n}" for n in names] if with_a else [])  # fixed draw order: B, head, A
-    sq = sq_norms(deltas, order) if k else torch.zeros(0, dtype=torch.float64)
+    sq = sq_norms(deltas, order) if deltas else torch.zeros(0, dtype=F64)
     norms, scales, w = _weights(sq, ctx.clip, denominator)
-    noisy = _noisy_average(deltas, w, order, shapes, noise_std, generator, ctx)
+    avg = weighted_sum(deltas, w, order) if deltas else {n: torch.zeros(shapes[n], dtype=F64) for n in order}
+    return avg, norms, scales
+
+
+def _linear_delta_release(updates, ctx, glob, noise_std, generator, denominator, *, with_a: bool) -> Release:
+    names = [n for g in ctx.groups for n in g.names]
+    k = len(updates)
+    avg, norms, scales = linear_delta_average(updates, ctx, glob, denominator, with_a=with_a)
+    noisy = {key: v.to(ctx.device, ctx.dtype) + ctx.noise.gaussian(tuple(v.shape), noise_std, generator,
+                                                                      dtype=ctx.dtype, device=ctx.device)
+             for key, v in avg.items()}  # in the draw order
     out = Release(B={n: glob[1][n].to(ctx.device, ctx.dtype) + noisy[f"B::{n}"] for n in names},
                   extra_delta={n: noisy[f"X::{n}"] for n in sorted(ctx.extra_shapes)})
     if with_a:

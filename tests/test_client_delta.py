@@ -5,7 +5,10 @@ empty round still releases noise."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
+
+import numpy as np
 import pytest
 import torch
 
@@ -249,3 +252,68 @@ def test_noise_reaching_w_matches_the_derivation_in_results():
     powerdp = rows["fedpower-powerdp"]
     assert powerdp["round_type"] == "powerdp-delta"
     assert powerdp["noise_in_W"] == pytest.approx(powerdp["stds"][0] * (384 * 8) ** 0.5, rel=0.03)
+
+
+def _pre_noise_release(round_type, updates, c, gl, m):
+    """What each client-level round type puts its noise on, computed by the product's own code:
+    the joint (dA, dB, dhead) / (dB, dhead) average for the linear releases, W = B_g A_g + sum_i w_i dW_i and the head average for PowerDP-L and input
+    perturbation, and the clipped delta averaged over the replies for the paper's factor-noise
+    releases. Returned as one flat float64 vector."""
+    if round_type in ("fedlora-delta", "ffa-delta"):
+        avg, _, _ = CD.linear_delta_average(updates, c, gl, m, with_a=round_type == "fedlora-delta")
+        return torch.cat([v.flatten() for v in avg.values()])
+    k = len(updates)
+    denominator = m if round_type in ("powerdp-l", "input-delta") else max(k, 1)  # the ablations: over the replies
+    _, _, w = CD._clipped_delta_weights(updates, c, gl, denominator)
+    parts = []
+    for g in c.groups:
+        Bs, As, _ = CD._group_new_w_factors(updates, g, gl, w, "cpu", CD.F64)  # the releases' working precision
+        parts.append((Bs.double() @ As.double()).flatten())
+    if round_type in ("powerdp-delta", "output-delta"):  # the delta itself: subtract the public global
+        parts = [p - torch.stack([gl[1][n].double() @ gl[0][n].double() for n in g.names]).flatten()
+                 for p, g in zip(parts, c.groups)]
+    head = sum((float(wi) * u.extra["head"].double() for wi, u in zip(w, updates)), torch.zeros(2, 4, dtype=F64))
+    return torch.cat(parts + [head.flatten()])
+
+
+@pytest.mark.parametrize("global_scale", [1.0, 1e4])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("round_type", ["fedlora-delta", "ffa-delta", "powerdp-l", "input-delta", "powerdp-delta",
+                                        "output-delta"])
+def test_adding_or_removing_one_client_moves_every_delta_release_within_its_sensitivity(round_type, dtype,
+                                                                                      global_scale):
+    """Client level, add/remove one client (docs/privacy.md §12): with the fixed denominator m the
+    noised quantity moves by at most C/m (the stated sensitivity of the linear releases and of
+    every PowerDP-L block, a 1-Lipschitz function of W); for the paper's releases on the delta,
+    averaged over the replies, it always has norm <= C (their diameter sensitivities are 2C). Random
+    client sets of 0-5 others, changes from far below to 30x the clip, replies in float64 and
+    float32 (what silos send), and a public global of norm ~3e4 C (B_g A_g and B_i A_i far larger
+    than the deltas: the merged W is formed in float64, so its rounding stays inside the clip's
+    margin; in float32 this case exceeded C/m by 3.5e-4)."""
+    rng = np.random.default_rng(7)
+    C, m = 0.7, 4.0
+    c = dataclasses.replace(ctx(clip=C), dtype=dtype)
+    gl = glob()
+    gl = (gl[0], {n: b * global_scale for n, b in gl[1].items()})
+    if dtype == torch.float32:
+        gl = ({n: a.float() for n, a in gl[0].items()}, {n: b.float() for n, b in gl[1].items()})
+
+    def cast(u):
+        return AdapterUpdate(A={n: a.to(dtype) for n, a in u.A.items()}, B={n: b.to(dtype) for n, b in u.B.items()},
+                             extra={n: x.to(dtype) for n, x in u.extra.items()})
+
+    tol = 1e-9 if dtype == torch.float64 else 1e-5
+    worst = 0.0
+    for trial in range(20):
+        k = int(rng.integers(0, 6))
+        others = [cast(client(gl, 10 * trial + i, scale=float(rng.choice([1e-3, 0.3, 3.0, 30.0])))) for i in range(k)]
+        x = cast(client(gl, 10 * trial + 9, scale=float(rng.choice([0.3, 3.0, 30.0]))))
+        with_x = _pre_noise_release(round_type, others + [x], c, gl, m)
+        if round_type in ("powerdp-delta", "output-delta"):
+            assert float(with_x.norm()) <= C * (1 + tol)
+            worst = max(worst, float(with_x.norm()) / C)
+            continue
+        moved = float((with_x - _pre_noise_release(round_type, others, c, gl, m)).norm())
+        assert moved <= C / m * (1 + tol), (trial, k, moved)
+        worst = max(worst, moved / (C / m))
+    assert worst > 0.99  # clipped clients reach the bound: the test is not trivially loose
