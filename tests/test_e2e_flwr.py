@@ -5,6 +5,7 @@ Completion is asserted through ``flwr ls --format json`` (``flwr run`` exits 0 o
 """
 
 import json
+import math
 import subprocess
 
 import pytest
@@ -85,7 +86,9 @@ def test_cross_device_simulation_with_many_clients(flwr_home, tmp_path):
     assert results["status"] == "completed" and results["clients"]["count"] == 60
     cal = results["privacy"]["calibration"]
     assert cal["level"] == "client" and cal["client_rate"] == 0.1 and cal["is_valid_guarantee"]
+    # PowerDP-L with 2 power iterations: 4 blocks, each at sqrt(2 * 2) z C / (q_c N), m = 6 whatever k
+    want = math.sqrt(4) * cal["z"] * 0.5 / (0.1 * 60)
     for row in results["rounds"]:
         assert row["round_type"] == "powerdp-l" and row["sampled"] < 30  # a cohort, not the population
-        assert row["aggregated"] == row["sampled"] and len(row["noise_stds"]) == 4
+        assert row["aggregated"] == row["sampled"] and row["noise_stds"] == pytest.approx([want] * 4, rel=1e-9)
     assert results["rounds"][-1]["epsilon"] <= 8.0 * (1 + 1e-6)

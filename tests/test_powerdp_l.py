@@ -159,25 +159,40 @@ def test_monte_carlo_audit_stays_below_the_claimed_epsilon(iters):
     assert res.epsilon_lb > eps_claim, res
 
 
-@pytest.mark.parametrize("method, round_type, blocks", [("fedlora", "fedlora-delta", 1), ("ffa-lora", "ffa-delta", 1),
-                                                        ("fedpower", "powerdp-l", 4)])
-def test_client_level_accounting_matches_dp_accounting_with_the_fixed_denominator(method, round_type, blocks):
-    """Client level: every round is a Poisson-subsampled Gaussian at rate q_c with z = s / Delta,
-    Delta = C/m for m = q_c N (times sqrt(2 * iters) for PowerDP-L). Recomputed here with
-    dp-accounting directly, from the stds the server would use."""
+# (method, strategy.client-refactorization, round type, the sensitivity of each released block
+# written out from docs/privacy.md §12 for C = 0.8, m = q_c N = 20, 2 power iterations, r = 8, M = 12)
+_C, _M, _R = 0.8, 20.0, 8
+ACCOUNTED = [
+    ("fedlora", "powerdp-l", "fedlora-delta", [_C / _M]),
+    ("ffa-lora", "powerdp-l", "ffa-delta", [_C / _M]),
+    ("input-perturbation", "powerdp-l", "input-delta", [_C / _M]),
+    ("fedpower", "powerdp-l", "powerdp-l", [_C / _M] * 4),  # Y, X per power iteration
+    ("fedpower", "powerdp", "powerdp-delta", [2 * _C, 2 * _C]),  # the paper's PowerDP: diameters
+    ("output-perturbation", "powerdp-l", "output-delta", [2 * math.sqrt(12 * _R), 2 * _C]),
+]
+
+
+@pytest.mark.parametrize("method, refactorization, round_type, sensitivities", ACCOUNTED)
+def test_client_level_accounting_matches_dp_accounting_with_the_fixed_denominator(method, refactorization, round_type,
+                                                                                  sensitivities):
+    """Client level: every round is a Poisson-subsampled Gaussian at rate q_c with the effective
+    z = (sum_j (Delta_j / s_j)^2)^(-1/2) of its blocks: Delta = C/m for m = q_c N on the linear
+    releases and on every PowerDP-L block, the diameters for the paper's releases on the delta.
+    Recomputed here with dp-accounting directly, from the stds the server would use."""
     import dp_accounting
     from dp_accounting.rdp import RdpAccountant
 
     from fedpower_app import accounting as A
 
-    q_c, N, T, C, eps, delta = 0.1, 200, 40, 0.8, 8.0, 1e-5
+    q_c, N, T, C, eps, delta = 0.1, 200, 40, _C, 8.0, 1e-5
     plan = A.PrivacyPlan(method=method, level="client", epsilon=eps, delta=delta, num_rounds=T, client_rate=q_c,
-                         num_clients=N, clip=C, power_iters=2)
-    assert plan.denominator == pytest.approx(20.0) and set(plan.schedule) == {round_type}
+                         num_clients=N, clip=C, power_iters=2, rank=_R, num_modules=12,
+                         refactorization=refactorization)
+    assert plan.denominator == pytest.approx(_M) and set(plan.schedule) == {round_type}
     cal = A.calibrate(plan)
     stds = cal.noise_std[round_type]
-    assert len(stds) == blocks
-    z_from_stds = 1.0 / math.sqrt(sum((C / plan.denominator / s) ** 2 for s in stds))
+    assert len(stds) == len(sensitivities)
+    z_from_stds = 1.0 / math.sqrt(sum((d / s) ** 2 for d, s in zip(sensitivities, stds)))
     acc = RdpAccountant()
     acc.compose(dp_accounting.PoissonSampledDpEvent(q_c, dp_accounting.GaussianDpEvent(z_from_stds)), T)
     assert acc.get_epsilon(delta) == pytest.approx(cal.epsilon, rel=1e-3)

@@ -3,9 +3,11 @@
 This package implements the *corrected* accounting of the project's privacy spec (not the paper's
 closed form). Summary of the model:
 
-* Every round the server releases one or two noisy blocks computed from the clipped replies of the
-  clients sampled in that round (Poisson client sampling, rate ``q_c``). The server clips each
-  client's WHOLE update with ONE norm ``C``.
+* Server-side noise: every round the server releases noisy blocks computed from the clipped
+  replies of the clients sampled in that round (Poisson client sampling, rate ``q_c``), each reply
+  clipped with ONE norm ``C`` over all modules: the client's WHOLE update at sample level, its
+  round DELTA against the public global at client level (averaged over the fixed expected cohort
+  ``m = q_c N``; docs/privacy.md §12). DP-SGD on the silos is accounted per silo (``silo``).
 * The accountant works with the *effective noise multiplier* ``z = (sum_j (Delta_j/s_j)^2)^-1/2`` of
   everything released in a round (``Delta_j`` = L2 sensitivity of block ``j``, ``s_j`` = its noise
   std per entry). See :func:`block_sensitivities` for the per-round-type sensitivities.
