@@ -23,7 +23,8 @@ Precision: the clip bounds a client's contribution only as far as the arithmetic
 exact. Deltas, norms, weighted sums and the merged W = B_g A_g + sum_i w_i dW_i (whose terms
 B_i A_i and B_g A_g can be far larger than C) are therefore computed in float64, and a release is
 cast to the run's dtype only once its noise is in (post-processing). The noise itself is drawn at
-the run's dtype, so a seeded run draws the same noise whatever the working precision.
+the run's dtype, so PowerDP-L and the linear releases draw the same noise as a float32 computation
+would (the paper's ablations also draw a random start for their power iteration, in float64).
 """
 
 from __future__ import annotations
