@@ -33,7 +33,7 @@ import torch
 
 from .aggregation import AdapterUpdate, ModuleGroup, clip_scales, product_sq_norms, sq_norms, stack_group, weighted_sum
 from .powerdp import input_perturbation, output_perturbation, power_iteration, powerdp, powerdp_l
-from .releases import Release, ReleaseContext, _finish, _noisy_average
+from .releases import Release, ReleaseContext, _finish, _noisy_average, _with_noise
 
 GlobalFactors = tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]  # (A_g by module, B_g by module)
 
@@ -216,9 +216,7 @@ def _linear_delta_release(updates, ctx, glob, noise_std, generator, denominator,
     names = [n for g in ctx.groups for n in g.names]
     k = len(updates)
     avg, norms, scales = linear_delta_average(updates, ctx, glob, denominator, with_a=with_a)
-    noisy = {key: v.to(ctx.device, ctx.dtype) + ctx.noise.gaussian(tuple(v.shape), noise_std, generator,
-                                                                      dtype=ctx.dtype, device=ctx.device)
-             for key, v in avg.items()}  # in the draw order
+    noisy = _with_noise(avg, list(avg), noise_std, generator, ctx)  # avg is in the draw order
     out = Release(B={n: glob[1][n].to(ctx.device, ctx.dtype) + noisy[f"B::{n}"] for n in names},
                   extra_delta={n: noisy[f"X::{n}"] for n in sorted(ctx.extra_shapes)})
     if with_a:

@@ -226,6 +226,11 @@ def _noisy_average(tensors, weights, names, shapes, std, generator, ctx):
         avg = weighted_sum(tensors, weights, names)
     else:
         avg = {n: torch.zeros(shapes[n], dtype=ctx.dtype) for n in names}
+    return _with_noise(avg, names, std, generator, ctx)
+
+
+def _with_noise(avg, names, std, generator, ctx):
+    """avg[n] (cast to the run's dtype) + fresh N(0, std^2) for each name, drawn in the order of ``names``."""
     return {
         n: avg[n].to(ctx.device, ctx.dtype)
         + ctx.noise.gaussian(tuple(avg[n].shape), std, generator, dtype=ctx.dtype, device=ctx.device)
