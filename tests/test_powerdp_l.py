@@ -205,20 +205,6 @@ def test_client_level_accounting_matches_dp_accounting_with_the_fixed_denominato
 # ------------------------------------------------------------------------------------------------
 
 
-class RecordingNoise:
-    """The product's seeded NoiseSource, keeping a copy of every draw (the release writes into them)."""
-
-    def __init__(self):
-        from strategies import NoiseSource
-
-        self.source, self.draws = NoiseSource(0), []
-
-    def gaussian(self, shape, std, generator, **kw):
-        x = self.source.gaussian(shape, std, generator, **kw)
-        self.draws.append((tuple(shape), float(std), x.clone()))
-        return x
-
-
 def released_pair(noise_std, trials, seed, *, C=1.0, m=5.0, iters=1, check_replay=20):
     """Neighbouring client sets D and D + {x} through the real release. x's change ||dW_x|| = 50 C
     (clipped to C) lies along e q1, in the row space of the public warm start A_g = q and kept in the
@@ -257,7 +243,9 @@ def released_pair(noise_std, trials, seed, *, C=1.0, m=5.0, iters=1, check_repla
     Ws = [dense_w(w) for w in worlds]
     assert float(torch.linalg.norm(Ws[1] - Ws[0])) == pytest.approx(C / m, rel=2e-4)  # the full sensitivity
     mech = MECH.get("powerdp-l")
-    noise = RecordingNoise()
+    from tests.test_privacy_audit import RecordingNoise  # the project's NoiseSource, recording every draw
+
+    noise = RecordingNoise(0)
     ctx = ReleaseContext(groups=group_modules({"q": (mdim, n, r)}), extra_shapes={"head": (2,)}, clip=C, rank=r,
                          power_iters=iters, noise=noise, dtype=F64)
     args = MECH.ReleaseArgs(glob=(A_g, B_g), denominator=m)
