@@ -40,6 +40,14 @@ INFLIGHT_FILE = "inflight.json"
 _MAGIC = b"FEDPOWER-CHECKPOINT-1\n"
 # Keys that may change between a run and its resumption without changing its math.
 RESUMABLE_KEYS = ("resume", "strategy.round-timeout", "eval.batch-size")
+# Keys added after checkpoints were first written, each with the value that reproduces the runs made
+# before it existed. At that value a key is left out of the fingerprint, so those checkpoints resume.
+ADDED_KEYS = {"task.dirichlet-alpha": 0.0}
+
+
+def _fingerprinted(config: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in sorted(config.items())
+            if k not in RESUMABLE_KEYS and not (k in ADDED_KEYS and v == ADDED_KEYS[k])}
 
 
 class CheckpointError(RuntimeError):
@@ -47,8 +55,7 @@ class CheckpointError(RuntimeError):
 
 
 def config_fingerprint(config: dict[str, Any]) -> str:
-    kept = {k: v for k, v in sorted(config.items()) if k not in RESUMABLE_KEYS}
-    return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()
+    return hashlib.sha256(json.dumps(_fingerprinted(config), sort_keys=True, default=str).encode()).hexdigest()
 
 
 def fault_point(point: str, server_round: int) -> None:
@@ -119,9 +126,8 @@ def load_checkpoint(run_dir: Path, *, config: dict[str, Any], strategy: str) -> 
     if payload.get("strategy") != strategy:
         raise CheckpointError(f"{path} was written by strategy {payload.get('strategy')!r}; this run is {strategy!r}")
     if payload.get("fingerprint") != config_fingerprint(config):
-        saved = json.loads(payload.get("config_json") or "{}")
-        keys = sorted(k for k in set(saved) | set(config)
-                      if k not in RESUMABLE_KEYS and saved.get(k) != config.get(k))
+        saved, now = _fingerprinted(json.loads(payload.get("config_json") or "{}")), _fingerprinted(config)
+        keys = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
         raise CheckpointError(f"{path} was written with another run configuration; refusing to resume "
                               f"(differs in: {', '.join(keys) or 'unknown keys'})")
     return payload

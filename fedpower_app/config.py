@@ -70,6 +70,7 @@ SCHEMA: dict[str, tuple[type, Callable[[Any], str | None] | None]] = {
     "task.max-length": (int, _min1),
     "task.max-train": (int, _nonneg),
     "task.max-eval": (int, _nonneg),
+    "task.dirichlet-alpha": (float, lambda v: None if v >= 0 and v != float("inf") else "must be a finite number >= 0"),
     "task.synthetic-train-size": (int, _min1),
     "task.synthetic-eval-size": (int, _min1),
     "task.cache-dir": (str, None),

@@ -1,4 +1,4 @@
-"""Data layer: pick a task source, split it IID across silos, tokenise once and cache on disk.
+"""Data layer: pick a task source, split it across silos (IID or label-skewed), tokenise once and cache on disk.
 
 Sources are pluggable: the generated ``synthetic`` task (default, offline), GLUE from a local
 directory (``task.data-dir``) or from the Hugging Face hub (``fedpower_app.glue``).
@@ -10,11 +10,13 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 import os
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from .config import RunConfig
@@ -84,11 +86,78 @@ def shard_size_problem(num_examples: int, num_silos: int, batch_size: int, sizes
             f"silos or more data")
 
 
-def partition_indices(num_examples: int, num_partitions: int, partition_id: int, seed: int) -> list[int]:
-    """IID shard of a split: sizes differ by at most one and sum to the split."""
+def partition_indices(num_examples: int, num_partitions: int, partition_id: int, seed: int, *,
+                      labels=None, dirichlet_alpha: float = 0.0) -> list[int]:
+    """A silo's shard of a split. Sizes differ by at most one and sum to the split, in both schemes:
+    IID (``dirichlet_alpha`` 0, the default), or label-skewed (``dirichlet_alpha`` > 0, needs the
+    split's ``labels``; :func:`dirichlet_partition_indices`)."""
+    if dirichlet_alpha:
+        if labels is None or len(labels) != num_examples:
+            raise ValueError("a Dirichlet partition needs the split's labels (one per example)")
+        return dirichlet_partition_indices(labels, num_partitions, partition_id, seed, dirichlet_alpha)
     from .glue import iid_partition_indices
 
     return iid_partition_indices(num_examples, num_partitions, partition_id, seed)
+
+
+def dirichlet_partition_indices(labels, num_partitions: int, partition_id: int, seed: int, alpha: float) -> list[int]:
+    """Shard ``partition_id`` of a label-skewed (non-IID) split: each silo keeps its IID shard size,
+    but its label mix is drawn from a Dirichlet distribution (Hsu et al. 2019, "Measuring the
+    effects of non-identical data distribution for federated visual classification").
+
+    Silo i's mix is q_i ~ Dir(alpha * K * p), with p the split's label frequencies and K the number
+    of labels: the expected mix is the split's own, the concentration per label is alpha when the
+    labels are balanced, small alpha gives silos of nearly one label, large alpha tends to IID.
+    Silos are filled in a seeded random order, each taking round(n_i q_i) examples of each label
+    (largest remainders) from that label's shuffled pool; when a pool runs dry the shortfall comes
+    from the labels with the most examples left, so shards are disjoint, cover the split, and have
+    exactly the IID sizes (the DP-SGD sampling rates and the shard-size checks do not change).
+
+    Why not ``flwr_datasets``' DirichletPartitioner: it splits each label's pool over all silos, so
+    shard sizes vary widely. At 1,000 silos on SST-2 with alpha 0.5 it leaves ~22 % of the shards
+    below a batch of 16 examples and some empty (its min-partition-size retry then fails).
+    """
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not (math.isfinite(alpha) and alpha > 0):
+        raise ValueError(f"dirichlet alpha must be a finite number > 0, got {alpha!r}")
+    y = np.asarray(labels, dtype=np.int64)
+    n = len(y)
+    if not (isinstance(num_partitions, int) and 1 <= num_partitions <= n):
+        raise ValueError(f"cannot split {n} example(s) into {num_partitions} non-empty partitions")
+    if not (isinstance(partition_id, int) and 0 <= partition_id < num_partitions):
+        raise ValueError(f"partition_id must be in [0, {num_partitions - 1}], got {partition_id!r}")
+    return list(_dirichlet_shards(y.tobytes(), n, num_partitions, int(seed), float(alpha))[partition_id])
+
+
+@lru_cache(maxsize=4)
+def _dirichlet_shards(label_bytes: bytes, n: int, num_partitions: int, seed: int, alpha: float) -> tuple:
+    """Every silo's shard (computed once per split and settings, then cached: each silo asks)."""
+    y = np.frombuffer(label_bytes, dtype=np.int64)
+    classes, counts = np.unique(y, return_counts=True)
+    rng = np.random.default_rng([seed & 0xFFFFFFFF, 0xD1C0])  # its own stream: IID shards are unchanged
+    pools = [rng.permutation(np.nonzero(y == c)[0]) for c in classes]
+    taken = np.zeros(len(classes), dtype=np.int64)  # how much of each pool is used
+    concentration = alpha * len(classes) * counts / n
+    mixes = rng.dirichlet(concentration, size=num_partitions)
+    size, extra = divmod(n, num_partitions)
+    shards: list = [None] * num_partitions
+    for i in rng.permutation(num_partitions):
+        n_i = size + (1 if i < extra else 0)
+        want = mixes[i] * n_i
+        take = np.floor(want).astype(np.int64)
+        for c in np.argsort(-(want - take), kind="stable")[: n_i - int(take.sum())]:
+            take[c] += 1
+        left = counts - taken
+        take = np.minimum(take, left)
+        short = n_i - int(take.sum())
+        for c in np.argsort(-(left - take), kind="stable"):  # a dry pool: the fullest labels fill in
+            if short <= 0:
+                break
+            extra_c = min(short, int(left[c] - take[c]))
+            take[c] += extra_c
+            short -= extra_c
+        shards[i] = tuple(int(j) for c in range(len(classes)) for j in pools[c][taken[c]:taken[c] + take[c]])
+        taken += take
+    return tuple(shards)
 
 
 @dataclass
@@ -173,11 +242,15 @@ def client_shard(cfg: RunConfig, tokenizer, partition_id: int, num_partitions: i
     if not 0 <= partition_id < num_partitions:
         raise ValueError(f"partition-id {partition_id} is outside [0, {num_partitions})")
     task = load_task(cfg)
-    idx = partition_indices(len(task.train), num_partitions, partition_id, cfg["seed"])
+    alpha = cfg["task.dirichlet-alpha"]
+    idx = partition_indices(len(task.train), num_partitions, partition_id, cfg["seed"],
+                            labels=task.train.labels, dirichlet_alpha=alpha)
     key = {"task": task.name, "split": "train", "part": partition_id, "of": num_partitions,
            "seed": cfg["seed"], "max_len": cfg["task.max-length"], "data": cfg["task.data-dir"],
            "max_train": cfg["task.max-train"], "syn": cfg["task.synthetic-train-size"],
            "rows": _file_digest(cfg["task.train-rows"])}
+    if alpha:  # (IID shards keep their old cache keys)
+        key["dirichlet_alpha"] = alpha
     return tokenized_cached(task.train.select(idx), tokenizer, cfg["task.max-length"], cache_dir(cfg), key)
 
 

@@ -206,7 +206,7 @@ def client_sizes(args, cfg: RunConfig) -> tuple[Optional[list[int]], int, str]:
                                "(the hub copy is not downloaded)")
     from fedpower_app import data as D
 
-    try:  # the clients' own split (IID, sizes differ by at most one)
+    try:  # the clients' own split (IID or Dirichlet: the same sizes, differing by at most one)
         sizes = [len(D.partition_indices(n, n_silos, i, cfg["seed"])) for i in range(n_silos)]
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"cannot split the training set over the silos: {exc}") from None
