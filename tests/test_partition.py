@@ -35,7 +35,7 @@ def _positive_fractions(labels, shards):
     return np.array([y[s].mean() for s in shards])
 
 
-@pytest.mark.parametrize(("n", "k", "alpha"), [(10, 3, 0.1), (101, 10, 0.5), (1_000, 7, 5.0), (N_SST2, 1_000, 0.5)])
+@pytest.mark.parametrize(("n", "k", "alpha"), [(50, 1, 0.5), (10, 3, 0.1), (101, 10, 0.5), (1_000, 7, 5.0), (N_SST2, 1_000, 0.5)])
 def test_dirichlet_shards_are_disjoint_cover_the_split_and_keep_the_iid_sizes(n, k, alpha):
     labels = _labels(n)
     shards = _shards(labels, k, alpha)
