@@ -73,11 +73,17 @@ def select_train_rows(task: TaskData, path: str) -> TaskData:
     return dataclasses.replace(task, train=train)
 
 
+def shard_sizes(num_examples: int, num_silos: int) -> list[int]:
+    """Every silo's shard size, IID or Dirichlet alike: the first ``num_examples % num_silos`` hold
+    one example more (as ``glue.iid_partition_indices`` cuts them)."""
+    size, extra = divmod(num_examples, num_silos)
+    return [size + (i < extra) for i in range(num_silos)]
+
+
 def shard_size_problem(num_examples: int, num_silos: int, batch_size: int, sizes: list[int] | None = None) -> str | None:
     """Why these silos cannot train with this batch size, or None. A shard smaller than the batch
     cannot give the configured batch (and DP-SGD's sampling rate b/n would exceed 1)."""
-    sizes = sizes if sizes is not None else [num_examples // num_silos + (i < num_examples % num_silos)
-                                             for i in range(num_silos)]
+    sizes = sizes if sizes is not None else shard_sizes(num_examples, num_silos)
     small = [n for n in sizes if n < batch_size]
     if not small:
         return None
@@ -138,10 +144,10 @@ def _dirichlet_shards(label_bytes: bytes, n: int, num_partitions: int, seed: int
     taken = np.zeros(len(classes), dtype=np.int64)  # how much of each pool is used
     concentration = alpha * len(classes) * counts / n
     mixes = rng.dirichlet(concentration, size=num_partitions)
-    size, extra = divmod(n, num_partitions)
+    sizes = shard_sizes(n, num_partitions)
     shards: list = [None] * num_partitions
     for i in rng.permutation(num_partitions):
-        n_i = size + (1 if i < extra else 0)
+        n_i = sizes[i]
         want = mixes[i] * n_i
         take = np.floor(want).astype(np.int64)
         for c in np.argsort(-(want - take), kind="stable")[: n_i - int(take.sum())]:
