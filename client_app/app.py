@@ -17,6 +17,7 @@ rounds). Any exception becomes an error reply, which the server drops and logs.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from functools import lru_cache
@@ -30,12 +31,13 @@ from fedpower_app import data as D
 from fedpower_app import model as M
 from fedpower_app.config import RunConfig, parse_config
 from fedpower_app.dp_sgd import DPSGDParams, dp_sgd_train_local
-from fedpower_app.accounting.silo import SiloLedger, SiloRefusal, silo_admits
+from fedpower_app.accounting.silo import SILO_DEFAULT_DELTA, SiloLedger, SiloRefusal, paid_params, silo_gate
 from fedpower_app.training import evaluate as evaluate_model
 from fedpower_app.training import round_lr, silo_randomness, train_local
 from strategies.noise import NoiseSource
 
 app = ClientApp()
+log = logging.getLogger("fedpower")
 
 
 @lru_cache(maxsize=4)
@@ -107,11 +109,13 @@ def silo_policy(cfg: RunConfig, node_config) -> tuple[bool, float, float]:
     """(requires DP-SGD, budget epsilon, delta) of this silo.
 
     A silo sets its own budget with node config ``dp-max-epsilon`` (and optionally ``dp-delta``);
-    it then refuses any round without DP-SGD parameters, whatever the run config says. Without
-    it, the silo follows the run config: DP-SGD required when dp.level = sample and dp.noise-at =
-    silo, with the run's (dp.epsilon, dp.delta) as its budget."""
+    it then refuses any round without DP-SGD parameters, whatever the run config says, and its δ
+    is its own ``dp-delta`` or the fixed ``SILO_DEFAULT_DELTA`` (1e-5), never the run config's: a
+    server that raised δ would buy itself rounds. Without a budget the silo follows the run config:
+    DP-SGD required when dp.level = sample and dp.noise-at = silo, with the run's (dp.epsilon,
+    dp.delta) as its budget."""
     if "dp-max-epsilon" in node_config:
-        return True, float(node_config["dp-max-epsilon"]), float(node_config.get("dp-delta", cfg["dp.delta"]))
+        return True, float(node_config["dp-max-epsilon"]), float(node_config.get("dp-delta", SILO_DEFAULT_DELTA))
     required = cfg["dp.level"] == "sample" and cfg["dp.noise-at"] == "silo"
     return required, cfg["dp.epsilon"], cfg["dp.delta"]
 
@@ -167,16 +171,39 @@ def _release_key(cfg: RunConfig, server_round: int) -> str | None:
     return f"{config_fingerprint(cfg.to_dict())[:32]}:{server_round}"
 
 
-def _sends_metrics(context: Context) -> bool:
-    """Node config ``send-metrics = false``: reply with the adapters only. Train loss, local
-    accuracy and counts are outside the DP guarantee (docs/privacy.md)."""
-    return str(context.node_config.get("send-metrics", "true")).lower() not in ("false", "0", "no")
+def _node_flag(context: Context, key: str) -> bool | None:
+    raw = context.node_config.get(key)
+    return None if raw is None else str(raw).lower() not in ("false", "0", "no")
+
+
+def _sends_train_metrics(context: Context, cfg: RunConfig) -> bool:
+    """Train loss, examples seen, training time: statistics of the silo's private data that no
+    noise covers. Node config ``send-metrics`` decides; without it a silo sends them only when the
+    run is non-private or releases its diagnostics (``dp.diagnostics = "released"``)."""
+    flag = _node_flag(context, "send-metrics")
+    return cfg.diagnostics_released if flag is None else flag
+
+
+_WARNED_NO_LEDGER_FILE: set = set()
+
+
+def _warn_if_ledger_is_per_run(context: Context, cfg: RunConfig) -> None:
+    """A silo that keeps its ledger in Context.state only starts every new run from zero: say so,
+    once per run, at its first message."""
+    requires_dp, _eps, _delta = silo_policy(cfg, context.node_config)
+    if not requires_dp or _ledger_file(context) is not None or context.run_id in _WARNED_NO_LEDGER_FILE:
+        return
+    _WARNED_NO_LEDGER_FILE.add(context.run_id)
+    log.warning("silo: no node config ledger-file: this silo's DP ledger lives in this run's state only, so a new "
+                "run starts its budget from zero. Keep it across runs with --node-config "
+                "'ledger-file=\"/path/on/the/silo/ledger.json\" dp-max-epsilon=8' (docs/deployment.md)")
 
 
 @app.query()
 def query(msg: Message, context: Context) -> Message:
     cfg, pid, num, _task, _model, _tok = _setup(context)
-    n = len(_shard(cfg, pid, num))
+    _warn_if_ledger_is_per_run(context, cfg)
+    n = _shard(cfg, pid, num).dp_size  # the size it samples and accounts with
     return Message(RecordDict({"metrics": MetricRecord({"num-examples": n, "partition-id": pid})}), reply_to=msg)
 
 
@@ -194,11 +221,10 @@ def train(msg: Message, context: Context) -> Message:
     ledger = None
     if params is not None or requires_dp:
         # The silo's own check, before its data is touched: it trusts only its own ledger.
+        _warn_if_ledger_is_per_run(context, cfg)
         ledger, paid = _load_ledger(context, delta, cfg["dp.accountant"])
         key = _release_key(cfg, server_round)
-        already_paid = key is not None and key in paid
-        sample_rate = (min(1.0, params.batch_size / len(shard)) if already_paid and params is not None else
-                       silo_admits(ledger, params, len(shard), max_epsilon=max_epsilon))
+        sample_rate, charge = silo_gate(ledger, paid, key, params, shard.dp_size, max_epsilon=max_epsilon)
     M.load_adapter_state(model, msg.content["arrays"].to_torch_state_dict())
     M.set_trainable(model, train_a="A" in train_lora, train_b=True)
     noise = NoiseSource(cfg["seed"], cfg["dp.noise"])
@@ -211,10 +237,10 @@ def train(msg: Message, context: Context) -> Message:
                                    sampling_generator=streams.sampling, noise_generator=streams.dp_noise,
                                    secure_noise=noise.hardened, device=device, dropout_seed=streams.dropout_seed,
                                    optimizer=cfg["train.optimizer"])
-        if not already_paid:  # a seeded round re-run after a server restart is the same release
+        if charge:  # a seeded round re-run with the same parameters is the same release: paid once
             ledger.record(sample_rate, params.noise_multiplier, params.local_steps)
             if key is not None:
-                paid.append(key)
+                paid.append({"key": key, "params": paid_params(params, sample_rate)})
         _save_ledger(context, ledger, paid)
     else:
         stats = train_local(
@@ -223,7 +249,7 @@ def train(msg: Message, context: Context) -> Message:
             dropout_seed=streams.dropout_seed, optimizer=cfg["train.optimizer"],
         )
     content = RecordDict({"arrays": ArrayRecord(_reply_state(model, train_lora))})
-    if _sends_metrics(context):
+    if _sends_train_metrics(context, cfg):
         metrics = {
             "num-examples": len(shard),
             "train-loss": float(stats.loss) if stats.loss == stats.loss else -1.0,
@@ -238,7 +264,9 @@ def train(msg: Message, context: Context) -> Message:
 
 @app.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
-    if not _sends_metrics(context):
+    # Evaluation of the released model on the evaluation split is covered (post-processing of a
+    # release, on data that is not the training data); a silo may still refuse it outright.
+    if _node_flag(context, "send-metrics") is False:
         raise SiloRefusal("refused: this silo sends no metrics (node config send-metrics = false)")
     cfg, pid, num, _task, model, _tok = _setup(context)
     M.load_adapter_state(model, msg.content["arrays"].to_torch_state_dict())

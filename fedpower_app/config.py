@@ -23,6 +23,15 @@ DEVICES = ("auto", "cpu", "cuda")
 LR_SCHEDULES = ("constant", "cosine")
 LOCAL_OPTIMIZERS = ("adam", "sgd")
 NOISE_AT = ("silo", "server")
+# Where every noise draw and sampling coin comes from: "hardened" (secrets no output holds: the
+# default, a valid guarantee) or "seeded" (reproducible from the run seed: not a guarantee against
+# whoever holds the seed). strategies.noise.NOISE_MODES is the same list (config imports no torch).
+NOISE_MODES = ("hardened", "seeded")
+# Per-round diagnostics of a private run that the guarantee does not cover (pre-clip update norms,
+# clipped fraction, train loss, per-reply counts, node ids and reasons): "off" withholds them from
+# results.json, the console and the logs, and silos send no training metrics; "released" shows
+# them and marks the run "diagnostics released, not covered" (docs/privacy.md, "What is covered").
+DIAGNOSTICS = ("off", "released")
 
 
 class ConfigError(ValueError):
@@ -107,7 +116,8 @@ SCHEMA: dict[str, tuple[type, Callable[[Any], str | None] | None]] = {
     "dp.accountant": (str, _in(("rdp", "pld"))),
     "dp.sample-mode": (str, _in(("two-stage", "product"))),
     "dp.calibration": (str, _in(("rigorous", "paper"))),
-    "dp.noise": (str, _in(("seeded", "hardened"))),
+    "dp.noise": (str, _in(NOISE_MODES)),
+    "dp.diagnostics": (str, _in(DIAGNOSTICS)),
 }
 
 
@@ -158,6 +168,11 @@ class RunConfig:
     @property
     def dp_enabled(self) -> bool:
         return self.values["dp.level"] != "none"
+
+    @property
+    def diagnostics_released(self) -> bool:
+        """Does this run show what its guarantee does not cover? (always, when non-private)"""
+        return not self.dp_enabled or self.values["dp.diagnostics"] == "released"
 
     @property
     def target_modules(self) -> list[str]:

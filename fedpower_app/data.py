@@ -46,6 +46,25 @@ def _load_task_cached(name, data_dir, max_train, max_eval, syn_train, syn_eval, 
     return select_train_rows(task, train_rows) if train_rows else task
 
 
+def train_rows_layout(path: str, n_rows: int, num_partitions: int) -> tuple[list[int], list[int]] | None:
+    """The silo of every row and every silo's declared size, when ``task.train-rows`` gives them
+    (``partitions`` and ``declared_sizes``; a membership audit does); None otherwise."""
+    if not path:
+        return None
+    spec = json.loads(Path(path).read_text())
+    if "partitions" not in spec:
+        return None
+    partitions, declared = [int(p) for p in spec["partitions"]], [int(d) for d in spec.get("declared_sizes", [])]
+    if len(partitions) != n_rows:
+        raise ValueError(f"task.train-rows: {path} places {len(partitions)} rows but lists {n_rows}")
+    if len(declared) != num_partitions or any(not 0 <= p < num_partitions for p in partitions):
+        raise ValueError(f"task.train-rows: {path} is laid out for {len(declared)} silos, this run has {num_partitions}")
+    counts = [partitions.count(i) for i in range(num_partitions)]
+    if any(c > d for c, d in zip(counts, declared)):
+        raise ValueError(f"task.train-rows: a silo holds more rows than its declared size ({counts} > {declared})")
+    return partitions, declared
+
+
 def select_train_rows(task: TaskData, path: str) -> TaskData:
     """The task with its train split replaced by the rows (and labels) listed in ``path``.
 
@@ -174,9 +193,17 @@ class TokenizedSplit:
     attention_mask: torch.Tensor  # (N, L) int64
     labels: torch.Tensor  # (N,) int64
     token_type_ids: torch.Tensor | None = None
+    # The size a silo accounts and samples with, when it is fixed in advance (a membership audit:
+    # its candidates, all of them in): q = b / declared_size, the same whichever candidates are in.
+    declared_size: int | None = None
 
     def __len__(self) -> int:
         return int(self.labels.shape[0])
+
+    @property
+    def dp_size(self) -> int:
+        """n in the silo's sampling rate q = b / n (and in its size reply)."""
+        return max(len(self), int(self.declared_size or 0))
 
     def batch(self, idx: torch.Tensor, device) -> dict[str, torch.Tensor]:
         mask = self.attention_mask[idx]
@@ -249,6 +276,15 @@ def client_shard(cfg: RunConfig, tokenizer, partition_id: int, num_partitions: i
         raise ValueError(f"partition-id {partition_id} is outside [0, {num_partitions})")
     task = load_task(cfg)
     alpha = cfg["task.dirichlet-alpha"]
+    layout = train_rows_layout(cfg["task.train-rows"], len(task.train), num_partitions)
+    if layout is not None:  # the rows file places every row (a membership audit): no re-split
+        partitions, declared = layout
+        idx = [i for i, p in enumerate(partitions) if p == partition_id]
+        shard = tokenized_cached(task.train.select(idx), tokenizer, cfg["task.max-length"], cache_dir(cfg),
+                                 {"task": task.name, "split": "train", "part": partition_id, "of": num_partitions,
+                                  "max_len": cfg["task.max-length"], "data": cfg["task.data-dir"],
+                                  "rows": _file_digest(cfg["task.train-rows"]), "layout": "explicit"})
+        return dataclasses.replace(shard, declared_size=int(declared[partition_id]))
     idx = partition_indices(len(task.train), num_partitions, partition_id, cfg["seed"],
                             labels=task.train.labels, dirichlet_alpha=alpha)
     key = {"task": task.name, "split": "train", "part": partition_id, "of": num_partitions,

@@ -173,7 +173,7 @@ def dp_sgd_train_local(model, data: TokenizedSplit, *, params: DPSGDParams, lr: 
     try:
         with _seeded_dropout(dropout_seed, device):
             for idx in batch_indices(len(data), params.batch_size, params.local_steps, sampling_generator,
-                                     poisson=True):
+                                     poisson=True, rate_size=getattr(data, "dp_size", None)):
                 dp_optimizer.zero_grad(set_to_none=True)
                 if len(idx) == 0:
                     empty += 1

@@ -109,17 +109,37 @@ class AuditPlan:
         rng = np.random.default_rng([self.seed, run, 0xA0D17])
         return rng.random(len(self.pool)) < 0.5, rng.random(len(self.canaries)) < 0.5
 
-    def train_rows(self, run: int) -> dict[str, list[int]]:
+    def silo_of_candidates(self) -> np.ndarray:
+        """The silo of every candidate row (background, then pool, then canaries), fixed by the
+        audit seed alone: never by a run's coins. A row that is in goes to its silo, whatever
+        else is in, so "canary in" and "canary out" differ by exactly that canary in exactly one
+        silo (neighbouring datasets for the silo's accountant); an IID split of the members would
+        re-permute every silo's shard whenever one coin flips."""
+        total = len(self.background) + len(self.pool) + len(self.canaries)
+        rng = np.random.default_rng([self.seed, 0x5110])
+        return rng.permutation(total) % self.supernodes
+
+    def train_rows(self, run: int) -> dict[str, list]:
+        keep, inc = self.coins(run)
+        return self.rows_for(keep, inc)
+
+    def rows_for(self, keep: np.ndarray, inc: np.ndarray) -> dict[str, list]:
+        """The ``task.train-rows`` spec of one run: its member rows, their labels, each row's silo
+        (``partitions``) and every silo's declared size (``declared_sizes``: its candidates, all
+        of them in). A silo samples at q = b / declared size, the same rate in and out, so its
+        DP-SGD is the subsampled Gaussian of its accountant for either world."""
         if self.background_count and len(self.background) != self.background_count:
             # a plan read from audit.json names its background without listing it: training needs
             # the plan make_plan draws again from the audit seed
             raise AuditError("this audit plan does not hold its background rows; make it with make_plan")
-        keep, inc = self.coins(run)
-        rows = list(self.background) + [r for r, k in zip(self.pool, keep) if k] + \
-            [r for r, k in zip(self.canaries, inc) if k]
-        labels = list(self.background_labels) + [y for y, k in zip(self.pool_labels, keep) if k] + \
-            [y for y, k in zip(self.canary_labels, inc) if k]
-        return {"rows": rows, "labels": labels}
+        member = np.concatenate([np.ones(len(self.background), bool), np.asarray(keep, bool), np.asarray(inc, bool)])
+        rows = np.asarray(list(self.background) + list(self.pool) + list(self.canaries), dtype=np.int64)
+        labels = np.asarray(list(self.background_labels) + list(self.pool_labels) + list(self.canary_labels),
+                            dtype=np.int64)
+        silo = self.silo_of_candidates()
+        return {"rows": rows[member].tolist(), "labels": labels[member].tolist(),
+                "partitions": silo[member].tolist(),
+                "declared_sizes": np.bincount(silo, minlength=self.supernodes).tolist()}
 
     def comparable(self, other: "AuditPlan") -> list[str]:
         """Fields that differ (a resumed audit must be the same audit)."""

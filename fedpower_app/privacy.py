@@ -20,16 +20,43 @@ from .accounting.silo import SiloLedger, calibrate_noise_multiplier, dp_sgd_epsi
 log = logging.getLogger("fedpower")
 
 
-def seeded_noise_warning(cfg: RunConfig) -> str | None:
-    """The caveat of a private run with ``dp.noise = "seeded"`` (None otherwise). Every noise draw and
-    sampling coin is a function of the run seed, and the seed travels in the run config to every
-    silo (and into results.json): whoever knows it can subtract the noise. Right for a reproducible
-    experiment, wrong for a deployment."""
-    if not cfg.dp_enabled or cfg["dp.noise"] != "seeded":
-        return None
-    return (f"privacy: dp.noise = seeded: every noise draw and sampling coin follows from seed={cfg['seed']}, "
-            "which every silo receives in the run config and results.json records; whoever knows it can "
-            "subtract the noise. Reproducible for experiments; a deployment must set dp.noise = \"hardened\"")
+def guarantee(cfg: RunConfig) -> dict[str, Any]:
+    """Which kind of claim a run makes, for results.json, the console and ``fedpower-privacy``.
+
+    * ``secret`` (``dp.noise = "hardened"``, the default): every noise draw and sampling coin comes
+      from OS entropy where it is drawn (each silo's DP-SGD noise and Poisson coins on that silo,
+      the server's noise and client-sampling coins on the server); no output holds them. The
+      printed (ε, δ) is a guarantee.
+    * ``reproducible`` (``dp.noise = "seeded"``): every draw follows from the run seed, which every
+      silo receives in the run config and results.json records. Whoever holds the seed can
+      subtract the noise: an experiment, not a guarantee.
+    * the paper's calibration is never a guarantee (its true ε is printed beside the claim).
+    """
+    if not cfg.dp_enabled:
+        return {"mode": "none", "valid": False, "statement": "non-private: no differential-privacy guarantee"}
+    if cfg["dp.noise"] == "seeded":
+        return {"mode": "reproducible", "valid": False,
+                "statement": f"reproducible mode: not a guarantee against whoever holds the seed (every noise draw "
+                             f"and sampling coin follows from seed={cfg['seed']}, which every silo receives and "
+                             "results.json records); set dp.noise = \"hardened\" for a guarantee"}
+    if cfg["dp.calibration"] == "paper":
+        return {"mode": "paper", "valid": False,
+                "statement": "the paper's calibration: the claimed epsilon is not the true one (printed beside it)"}
+    return {"mode": "secret", "valid": True,
+            "statement": "(eps, delta)-DP guarantee: every noise draw and sampling coin comes from OS entropy where "
+                         "it is drawn (each silo's own, the server's own); no output holds them"}
+
+
+#: The neighbouring relation each level's guarantee is stated for, as the code implements it
+#: (docs/privacy.md §1.1). Client level: the population of N silos is public and fixed at start
+#: (m = q_c N is computed from it); two datasets are neighbours when one silo's data is replaced by
+#: a silo that contributes nothing (zero-out). The Poisson-subsampled Gaussian's add/remove
+#: analysis is exactly that case: the sampled sum carries the special silo's clipped delta or 0.
+NEIGHBOURING = {
+    "sample": "add or remove one training example of one silo; each silo's size n_k is public",
+    "client": "zero-out: one silo's data replaced by a silo that contributes nothing (N silos, public and "
+              "fixed at start; m = q_c N); sensitivity C/m",
+}
 
 
 class NonPrivate(NoPrivacy):
@@ -54,10 +81,15 @@ class AccountedPrivacy(ServerSideDefaults):
     enabled = True
     noise_at = "server"
 
-    def __init__(self, plan: A.PrivacyPlan, calibration: A.Calibration, *, source: str) -> None:
+    def __init__(self, plan: A.PrivacyPlan, calibration: A.Calibration, *, source: str,
+                 noise_mode: str = "hardened", record_cohort: bool = False) -> None:
         self.plan = plan
         self.calibration = calibration
         self.source = source  # "calibrated", "noise-multiplier" or "paper"
+        self.noise_mode = noise_mode
+        # The ledger's per-round count of sampled clients is a cohort statistic: kept only when the
+        # run releases its diagnostics (the checkpoint and results.json carry the ledger).
+        self.record_cohort = record_cohort
         self.ledger = A.PrivacyLedger(plan, calibration, budget=plan.epsilon if source != "paper" else None)
         self.enforces_budget = True
 
@@ -67,8 +99,12 @@ class AccountedPrivacy(ServerSideDefaults):
 
     # -- PrivacyHook ------------------------------------------------------------------------
     def noise_stds(self, round_type: str, num_clients: int) -> list[float]:
-        # Sample level, linear releases: noise scaled to the realised k (k = 0 uses k = 1).
-        return [float(s) for s in self.ledger.noise_stds_for_round(round_type, k=max(1, num_clients))]
+        # Never the realised number of replies (``num_clients`` is ignored): a reply dropped for NaN,
+        # which private data can cause, would move the noise. Sample level: the k-dependent
+        # releases average over the fixed m = q_c N (ReleaseArgs.denominator) and their noise is
+        # scaled to it; client level: the fixed denominator is in the sensitivity already.
+        k = self.plan.expected_cohort if self.plan.level == "sample" else None
+        return [float(s) for s in self.ledger.noise_stds_for_round(round_type, k=k)]
 
     def check(self, round_type: str, server_round: int) -> None:
         vec = self.ledger.rdp_for_round(round_type)
@@ -77,7 +113,7 @@ class AccountedPrivacy(ServerSideDefaults):
 
     def record(self, round_type: str, server_round: int, num_sampled: int, num_aggregated: int) -> None:
         self.ledger.record(round_type, self.ledger.z_for_round(round_type), self.ledger.rdp_for_round(round_type),
-                           server_round, clients_sampled=num_sampled)
+                           server_round, clients_sampled=num_sampled if self.record_cohort else None)
 
     def epsilon(self) -> float | None:
         return self.ledger.epsilon() if self.ledger.rounds_recorded else 0.0
@@ -90,9 +126,16 @@ class AccountedPrivacy(ServerSideDefaults):
             raise ValueError(f"privacy state of kind {state.get('kind')!r} cannot resume a server-noise run")
         self.ledger.load_state_dict(state["ledger"])
 
+    @property
+    def is_valid_guarantee(self) -> bool:
+        """A valid calibration whose noise no output can reproduce (not the seeded mode)."""
+        return bool(self.calibration.is_valid_guarantee) and self.noise_mode != "seeded"
+
     # -- reporting ---------------------------------------------------------------------------
     def describe(self) -> dict[str, Any]:
-        return {"source": self.source, "plan": self.plan.to_dict(), "calibration": self.calibration.to_dict()}
+        cal = {**self.calibration.to_dict(), "is_valid_guarantee": self.is_valid_guarantee}
+        return {"source": self.source, "plan": self.plan.to_dict(), "calibration": cal,
+                "neighbouring": NEIGHBOURING[self.plan.level]}
 
     def summary_lines(self) -> list[str]:
         c, p = self.calibration, self.plan
@@ -125,7 +168,7 @@ class AccountedPrivacy(ServerSideDefaults):
             "delta": self.plan.delta,
             "level": self.plan.level,
             "rounds_released": self.ledger.rounds_recorded,
-            "is_valid_guarantee": self.calibration.is_valid_guarantee,
+            "is_valid_guarantee": self.is_valid_guarantee,
             "label": self.calibration.label,
             "ledger": self.ledger.state_dict(),
         }
@@ -148,6 +191,7 @@ class SiloDPSGD:
 
     def __init__(self, cfg: RunConfig, client_sizes: dict[int, int]) -> None:
         self.epsilon_target, self.delta = cfg["dp.epsilon"], cfg["dp.delta"]
+        self.is_valid_guarantee = cfg["dp.noise"] != "seeded"  # seeded: reproducible, not a guarantee
         self.batch_size, self.local_steps = cfg["train.batch-size"], cfg["train.local-steps"]
         self.num_rounds, self.clip_norm, self.accountant = cfg["num-server-rounds"], cfg["dp.clip"], cfg["dp.accountant"]
         # A trained head may be clipped apart from the adapters (dp_sgd.GroupClippedDPOptimizer).
@@ -252,7 +296,7 @@ class SiloDPSGD:
                 "participation_assumption": "calibrated as if every silo trained in every planned round; the "
                                             "budget check enforces each silo's bound whatever happens",
                 "sample_rates": {str(i): self.rates[node] for i, node in enumerate(self.silos)},
-                "is_valid_guarantee": True,
+                "is_valid_guarantee": self.is_valid_guarantee, "neighbouring": NEIGHBOURING["sample"],
                 "label": "sample-level (eps, delta)-DP of every silo's examples, add/remove one example; "
                          "run epsilon = max over silos; no amplification by client sampling claimed"}
 
@@ -280,7 +324,7 @@ class SiloDPSGD:
 
     def final_report(self) -> dict[str, Any]:
         return {"epsilon_spent": self.epsilon(), "delta": self.delta, "level": "sample", "noise_at": "silo",
-                "is_valid_guarantee": True, "silos": self.silo_table(),
+                "is_valid_guarantee": self.is_valid_guarantee, "silos": self.silo_table(),
                 "ledgers": {str(i): self.ledgers[node].state_dict() for i, node in enumerate(self.silos)}}
 
 
@@ -320,9 +364,10 @@ def build_privacy(cfg: RunConfig, *, client_sizes: list[int] | dict[int, int], n
         return SiloDPSGD(cfg, client_sizes)
     client_sizes = list(client_sizes.values())
     plan = make_plan(cfg, client_sizes=client_sizes, num_modules=num_modules)
+    kw = {"noise_mode": cfg["dp.noise"], "record_cohort": cfg.diagnostics_released}
     if cfg["dp.calibration"] == "paper":
-        return AccountedPrivacy(plan, A.calibrate(plan), source="paper")
+        return AccountedPrivacy(plan, A.calibrate(plan), source="paper", **kw)
     if cfg["dp.noise-multiplier"] > 0:
         return AccountedPrivacy(plan, A.epsilon_for_noise_multiplier(plan, cfg["dp.noise-multiplier"]),
-                                source="noise-multiplier")
-    return AccountedPrivacy(plan, A.calibrate(plan), source="calibrated")
+                                source="noise-multiplier", **kw)
+    return AccountedPrivacy(plan, A.calibrate(plan), source="calibrated", **kw)

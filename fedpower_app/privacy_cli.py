@@ -366,6 +366,8 @@ def _config_line(cfg: RunConfig, origin: dict[str, str], preset: Optional[str]) 
 
 
 def render(res: dict[str, Any], every: int, preset: Optional[str] = None) -> str:
+    from fedpower_app.privacy import guarantee
+
     cfg, hook = res["cfg"], res["hook"]
     L = [_config_line(cfg, res["origin"], preset)]
     if "sizes_source" in res:
@@ -374,7 +376,10 @@ def render(res: dict[str, Any], every: int, preset: Optional[str] = None) -> str
     if not _accounted(hook):  # non-private run, or a hook this report has no table for: its own summary
         where = f", dp.noise-at={cfg.values['dp.noise-at']}" if "dp.noise-at" in cfg.values else ""
         L.insert(0, f"fedpower-privacy: method={cfg['strategy.name']}, dp.level={cfg['dp.level']}{where}")
-        return "\n".join(L + list(hook.summary_lines()))
+        claim = guarantee(cfg)
+        return "\n".join(L + list(hook.summary_lines())
+                         + ([f"guarantee: {'VALID' if claim['valid'] else 'NOT VALID'} -- {claim['statement']}"]
+                            if cfg.dp_enabled else []))
     plan, cal = hook.plan, hook.calibration
     mode = f" ({plan.sample_mode})" if plan.level == "sample" else ""
     L.insert(0, f"fedpower-privacy: method={plan.method}, {plan.level} level{mode}, "
@@ -411,7 +416,8 @@ def render(res: dict[str, Any], every: int, preset: Optional[str] = None) -> str
         if len(blocks) == 1:
             line += f"  ({blocks[0]['name']})"
         if plan.level == "sample" and e["std_scales_with_k"]:
-            line += "  [at k=1; with k clients aggregated the server uses std/k, as Delta is then Delta/k]"
+            line += (f"  [at k=1; the server averages over the fixed m = q_c*N = {_fmt(plan.expected_cohort)} "
+                     "and uses std/m, as Delta is then Delta/m]")
         elif plan.level == "sample" and e["delta_depends_on_k"]:
             line += "  [fixed std; Delta at k=1, the worst case]"
         L.append(line)
@@ -436,15 +442,19 @@ def render(res: dict[str, Any], every: int, preset: Optional[str] = None) -> str
         L.append(f"epsilon after T={plan.num_rounds}: {cal.epsilon:.4f} ({cal.accountant}; target {_fmt(plan.epsilon)})")
     if cal.accountant == "pld":
         L.append(f"  (RDP for comparison: {cal.epsilon_rdp:.4f})")
-    L.append(f"valid DP guarantee: {'yes' if cal.is_valid_guarantee else 'NO'} -- {cal.label}")
+    L.append(f"valid DP guarantee: {'yes' if hook.is_valid_guarantee else 'NO'} -- {cal.label}")
+    claim = guarantee(cfg)
+    L.append(f"guarantee: {'VALID' if claim['valid'] else 'NOT VALID'} -- {claim['statement']}")
     for n in cal.notes:
         L.append(f"note: {n}")
     return "\n".join(L)
 
 
 def to_json(res: dict[str, Any]) -> dict[str, Any]:
+    from fedpower_app.privacy import guarantee
+
     hook = res["hook"]
-    out: dict[str, Any] = {"config": res["cfg"].to_dict(), "privacy": hook.describe()}
+    out: dict[str, Any] = {"config": res["cfg"].to_dict(), "privacy": hook.describe(), "guarantee": guarantee(res["cfg"])}
     if "sizes_source" in res:
         out.update(data=res["sizes_source"], num_modules=res["num_modules"], modules=res["modules_source"])
     if _accounted(hook):

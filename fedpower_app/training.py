@@ -30,12 +30,14 @@ class TrainStats:
     empty_steps: int
 
 
-def batch_indices(n: int, batch_size: int, steps: int, generator: torch.Generator, poisson: bool) -> list[torch.Tensor]:
-    """Indices of each local step's batch."""
+def batch_indices(n: int, batch_size: int, steps: int, generator: torch.Generator, poisson: bool,
+                  rate_size: int | None = None) -> list[torch.Tensor]:
+    """Indices of each local step's batch. Poisson: every example independently at q = b / N, with
+    N = ``rate_size`` when the silo's size is declared in advance (>= n), else n."""
     if n <= 0:
         raise ValueError("cannot train on an empty shard")
     if poisson:
-        q = min(1.0, batch_size / n)
+        q = min(1.0, batch_size / max(n, rate_size or 0))
         return [torch.nonzero(torch.rand(n, generator=generator, dtype=torch.float64) < q).flatten() for _ in range(steps)]
     out, order, pos = [], torch.randperm(n, generator=generator), 0
     for _ in range(steps):
@@ -150,7 +152,7 @@ def _train_steps(model, data: TokenizedSplit, *, steps: int, batch_size: int, lr
     model.train()
     opt = local_optimizer([p for p in model.parameters() if p.requires_grad], lr=lr, kind=optimizer)
     total, count, seen, empty = 0.0, 0, 0, 0
-    for idx in batch_indices(len(data), batch_size, steps, generator, poisson):
+    for idx in batch_indices(len(data), batch_size, steps, generator, poisson, rate_size=getattr(data, "dp_size", None)):
         if len(idx) == 0:
             empty += 1
             continue

@@ -22,11 +22,12 @@ from fedpower_app import data as D
 from fedpower_app import model as M
 from fedpower_app.config import RunConfig, parse_config
 from fedpower_app.logging_setup import setup_logging
-from fedpower_app.privacy import build_privacy, seeded_noise_warning
+from fedpower_app.privacy import build_privacy, guarantee
 from fedpower_app.released import save_released
 from fedpower_app.results import ResultsWriter
 from fedpower_app.training import evaluate as evaluate_model
 from strategies.flower import RoundReport, build_strategy, exchange
+from strategies.privacy_contract import Disclosure
 from strategies.noise import NoiseSource
 
 app = ServerApp()
@@ -145,6 +146,7 @@ class CentralEvaluator:
         self.last_logits: torch.Tensor | None = None
 
     def __call__(self, server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
+        CK.fault_point("before-central-eval", server_round)  # tests: a kill after the evaluate messages left
         last = server_round == self.cfg["num-server-rounds"]
         if server_round > 0 and server_round % self.cfg["eval.every"] and not last:
             return None
@@ -179,18 +181,27 @@ SILO_DP_ROUND_LABELS = {"powerdp": "refactor, DP-SGD on silos", "fedlora": "aver
                         "ffa": "average B, DP-SGD on silos"}
 
 
-def progress_line(report: RoundReport, metrics: MetricRecord | None, num_rounds: int, epsilon_target, wall: float,
+def progress_line(row: dict, metrics: MetricRecord | None, num_rounds: int, epsilon_target, wall: float,
                   round_seconds: float | None = None, label: str | None = None) -> str:
+    """The console line of a round, from its (possibly redacted) results row: what the row does
+    not carry (a private run's reply counts, see Disclosure) is not shown."""
     acc = f"acc {metrics['accuracy']:.4f} loss {metrics['loss']:.4f}" if metrics is not None else "acc -"
-    if report.epsilon is None:
+    if row.get("epsilon") is None:
         eps = "eps n/a (non-private)"
     else:
-        eps = f"eps {report.epsilon:.3f}" + (f"/{epsilon_target:g}" if epsilon_target else "")
-    over = f" ({report.over_budget} more at their budget)" if report.over_budget else ""
-    missing = f", {len(report.missing)} no reply" if report.missing else ""
-    return (f"[round {report.server_round}/{num_rounds} {label or report.round_type}] {acc} | {eps} | clients "
-            f"{report.sampled} sampled{over}, {report.aggregated} aggregated, {len(report.dropped)} dropped{missing} | "
-            f"up {_mb(report.bytes_up)} down {_mb(report.bytes_down)} | server {report.aggregation_seconds:.2f} s "
+        eps = f"eps {row['epsilon']:.3f}" + (f"/{epsilon_target:g}" if epsilon_target else "")
+    if "aggregated" in row:
+        over = f" ({row['over_budget']} more at their budget)" if row.get("over_budget") else ""
+        missing = f", {len(row['missing'])} no reply" if row.get("missing") else ""
+        clients = (f"clients {row['sampled']} sampled{over}, {row['aggregated']} aggregated, {len(row['dropped'])} "
+                   f"dropped{missing} | up {_mb(row['bytes_up'])} down {_mb(row['bytes_down'])} | server "
+                   f"{row['aggregation_seconds']:.2f} s ")
+    elif "sampled" in row:
+        over = f" ({row['over_budget']} more at their budget)" if row.get("over_budget") else ""
+        clients = f"clients {row['sampled']} sent{over}; replies withheld (dp.diagnostics = off) "
+    else:
+        clients = "clients withheld (dp.diagnostics = off) "
+    return (f"[round {row['server_round']}/{num_rounds} {label or row['round_type']}] {acc} | {eps} | {clients}"
             + (f"| round {round_seconds:.1f} s " if round_seconds is not None else "") + f"| elapsed {wall:.1f} s")
 
 
@@ -308,10 +319,15 @@ def _run(grid: Grid, cfg: RunConfig, run_dir: Path, results: ResultsWriter, chec
     results.set("privacy", privacy.describe())
     for line in privacy.summary_lines():
         log.info("%s", line)
-    caveat = seeded_noise_warning(cfg)
-    if caveat:
-        log.warning("%s", caveat)
-        results.set("noise_source_caveat", caveat)
+    claim = guarantee(cfg)
+    results.set("guarantee", claim)
+    if privacy.enabled:
+        (log.info if claim["valid"] else log.warning)("privacy: %s", claim["statement"])
+    disclosure = Disclosure(private=privacy.enabled, diagnostics_released=cfg["dp.diagnostics"] == "released",
+                            noise_at=privacy.noise_at)
+    results.set("diagnostics", disclosure.label())
+    if privacy.enabled:
+        (log.warning if disclosure.full else log.info)("privacy: results.json and this log hold: %s", disclosure.label())
 
     noise = NoiseSource(cfg["seed"], cfg["dp.noise"])
     strategy = build_strategy(
@@ -328,7 +344,9 @@ def _run(grid: Grid, cfg: RunConfig, run_dir: Path, results: ResultsWriter, chec
         refactor_every=cfg["strategy.refactor-every"],
         client_level=cfg["dp.level"] == "client",
         refactorization=cfg["strategy.client-refactorization"],
-        denominator=privacy.plan.denominator if cfg["dp.level"] == "client" else None,  # m = q_c N
+        # m = q_c N: every server-noised average divides by it, never by the replies that arrived
+        denominator=privacy.plan.expected_cohort if privacy.noise_at == "server" else None,
+        disclosure=disclosure,
     )
     evaluate_fn = CentralEvaluator(cfg, model, splits, device)
     t_start = time.time() - (float(checkpoint["elapsed"]) if checkpoint else 0.0)
@@ -336,8 +354,26 @@ def _run(grid: Grid, cfg: RunConfig, run_dir: Path, results: ResultsWriter, chec
     first_round, arrays = resume_state(cfg, run_dir, checkpoint, strategy, privacy, population_sizes, results,
                                        initial_state)
 
-    def on_round(report: RoundReport, metrics: MetricRecord | None) -> None:
-        row = report.to_dict()
+    def save_checkpoint(done_round: int, pending_row: dict | None) -> None:
+        CK.save_checkpoint(run_dir, {
+            "round": done_round, "strategy": cfg["strategy.name"],
+            "fingerprint": CK.config_fingerprint(cfg.to_dict()), "config_json": json.dumps(cfg.to_dict(), default=str),
+            "global_state": {k: v.clone() for k, v in strategy.global_state.items()},
+            "privacy": privacy.state_dict(), "population_sizes": population_sizes,
+            "results": results.data, "elapsed": time.time() - t_start,
+            "noise": {"mode": cfg["dp.noise"], "seed": cfg["seed"],
+                      "position": "stateless: every generator is derived from (seed, stream, round)"},
+            "stopped_reason": strategy.stopped_reason,
+            # the round released and charged whose results row is not written yet (resume evaluates it)
+            "pending_row": pending_row})
+
+    def on_release(report: RoundReport) -> None:
+        # The round's release is applied and charged: make it durable before anything derived from
+        # it leaves (evaluate messages, central evaluation, results.json, the console).
+        save_checkpoint(report.server_round, report.to_dict())
+
+    def record_round(full_row: dict, metrics: MetricRecord | None) -> None:
+        row = disclosure.round_row(full_row)
         if metrics is not None:
             row.update({k: float(v) for k, v in metrics.items()})
         row["wall_seconds"] = time.time() - t_start
@@ -345,22 +381,17 @@ def _run(grid: Grid, cfg: RunConfig, run_dir: Path, results: ResultsWriter, chec
         paper = getattr(privacy, "source", None) == "paper"
         target = cfg["dp.epsilon"] if privacy.enabled and not paper else None
         previous = results.data["rounds"][-2]["wall_seconds"] if len(results.data["rounds"]) > 1 else 0.0
-        label = SILO_DP_ROUND_LABELS.get(report.round_type) if privacy.noise_at == "silo" else None
-        line = progress_line(report, metrics, cfg["num-server-rounds"], target, row["wall_seconds"],
+        label = SILO_DP_ROUND_LABELS.get(row["round_type"]) if privacy.noise_at == "silo" else None
+        line = progress_line(row, metrics, cfg["num-server-rounds"], target, row["wall_seconds"],
                              row["wall_seconds"] - previous, label)
         if paper:  # the paper's calibration: show the true epsilon, never the claimed one as a budget
             line = line.replace("| eps ", f"| TRUE eps (paper claims {cfg['dp.epsilon']:g}) ")
         log.info("%s", line)
         # After the round's results: the checkpoint that a restart continues from.
-        CK.save_checkpoint(run_dir, {
-            "round": report.server_round, "strategy": cfg["strategy.name"],
-            "fingerprint": CK.config_fingerprint(cfg.to_dict()), "config_json": json.dumps(cfg.to_dict(), default=str),
-            "global_state": {k: v.clone() for k, v in strategy.global_state.items()},
-            "privacy": privacy.state_dict(), "population_sizes": population_sizes,
-            "results": results.data, "elapsed": time.time() - t_start,
-            "noise": {"mode": cfg["dp.noise"], "seed": cfg["seed"],
-                      "position": "stateless: every generator is derived from (seed, stream, round)"},
-            "stopped_reason": strategy.stopped_reason})
+        save_checkpoint(int(full_row["server_round"]), None)
+
+    def on_round(report: RoundReport, metrics: MetricRecord | None) -> None:
+        record_round(report.to_dict(), metrics)
 
     def on_round_start(server_round: int, nodes: list[int]) -> None:
         order = {node: i for i, node in enumerate(strategy.population)}
@@ -371,6 +402,14 @@ def _run(grid: Grid, cfg: RunConfig, run_dir: Path, results: ResultsWriter, chec
         if events:
             results.data.setdefault("roster_events", []).extend(events)
             results.flush()
+
+    if checkpoint and checkpoint.get("pending_row"):
+        # Killed after the round's release was charged and before its results row: the release is
+        # the checkpoint's global state; evaluate it (deterministic) and write the row.
+        pending = checkpoint["pending_row"]
+        log.info("resume: round %d was released and charged before the interruption; writing its results",
+                 int(pending["server_round"]))
+        record_round(pending, evaluate_fn(int(pending["server_round"]), ArrayRecord(arrays)))
 
     if first_round == 1:
         initial = evaluate_fn(0, ArrayRecord(initial_state))
@@ -388,6 +427,7 @@ def _run(grid: Grid, cfg: RunConfig, run_dir: Path, results: ResultsWriter, chec
         first_round=first_round,
         on_round_start=on_round_start,
         before_round=before_round,
+        on_release=on_release,
     )
 
     final_state = result.arrays.to_torch_state_dict() if len(result.arrays) else arrays
@@ -406,7 +446,10 @@ def _run(grid: Grid, cfg: RunConfig, run_dir: Path, results: ResultsWriter, chec
                    privacy_final=privacy.final_report())
     totals = results.data["totals"]
     acc, eps = totals.get("final_accuracy"), totals.get("final_epsilon")
-    log.info("run %s %s: final accuracy %s, %s; results %s; model %s", run_dir.name, status,
+    kind = "" if claim["valid"] or not privacy.enabled else (
+        " [reproducible mode: not a guarantee against whoever holds the seed]" if claim["mode"] == "reproducible"
+        else " [not a valid guarantee: the paper's calibration]")
+    log.info("run %s %s: final accuracy %s, %s%s; results %s; model %s", run_dir.name, status,
              "n/a" if acc is None else f"{acc:.4f}",
-             "non-private" if eps is None else f"epsilon {eps:.3f} (delta {cfg['dp.delta']:g})",
+             "non-private" if eps is None else f"epsilon {eps:.3f} (delta {cfg['dp.delta']:g})", kind,
              results.path, adapter_dir)

@@ -34,7 +34,7 @@ from .releases import (
     input_perturbation_release,
     output_perturbation_release,
 )
-from .privacy_contract import BudgetExhausted, NoPrivacy, PrivacyHook  # noqa: F401 (re-exported)
+from .privacy_contract import BudgetExhausted, Disclosure, NoPrivacy, PrivacyHook  # noqa: F401 (re-exported)
 from . import mechanisms as MECH
 from .validation import InvalidReply, check_declared_arrays, validate_tensors
 
@@ -120,6 +120,7 @@ class LoRAStrategy(Strategy):
         client_level: bool = False,
         refactorization: str = "powerdp-l",
         denominator: float | None = None,
+        disclosure: Disclosure | None = None,
     ) -> None:
         if not 0.0 < client_rate <= 1.0:
             raise ValueError(f"client_rate must be in (0, 1], got {client_rate}")
@@ -127,6 +128,10 @@ class LoRAStrategy(Strategy):
         self.client_rate = client_rate
         self.noise = noise or NoiseSource()
         self.privacy = privacy or NoPrivacy()
+        # What the logs may say about replies (node ids, reasons, counts) and whether pre-clip norms
+        # are computed: the ServerApp passes the run's Disclosure (only what the guarantee covers,
+        # unless dp.diagnostics = released); a strategy used as a library shows everything.
+        self.disclosure = disclosure or Disclosure()
         self.eval_fraction = eval_fraction
         # The population's order is the order of the client-sampling coins (and of summation).
         # Callers give a run-independent order (the ServerApp: by partition id), so a seeded run
@@ -138,6 +143,8 @@ class LoRAStrategy(Strategy):
         # Client level (strategies/client_delta.py): releases of each silo's round delta, averaged
         # over the fixed expected cohort m = q_c N; FedPower refactorizes with PowerDP-L (or the
         # paper's PowerDP on the delta, an ablation).
+        if denominator is None and getattr(self.privacy, "plan", None) is not None:
+            denominator = self.privacy.plan.expected_cohort  # m = q_c N, the privacy layer's
         if client_level and not (denominator and denominator > 0):
             raise ValueError("client level needs the fixed denominator m = q_c N > 0")
         if refactorization not in MECH.CLIENT_REFACTORIZATION:
@@ -193,9 +200,16 @@ class LoRAStrategy(Strategy):
         return {k: tuple(self.global_state[k].shape) for k in keys}
 
     def _release_args(self) -> MECH.ReleaseArgs:
-        if not self.client_level:
-            return MECH.ReleaseArgs()
-        return MECH.ReleaseArgs(glob=self._global_factors(), denominator=self.denominator)
+        if self.client_level:
+            return MECH.ReleaseArgs(glob=self._global_factors(), denominator=self.denominator)
+        if self.privacy.noise_at == "server":
+            # Sample level, server noise: the k-dependent releases (FedLoRA, FFA-LoRA, input
+            # perturbation) average over the fixed m = q_c N, whose noise std is set before the
+            # round; a reply dropped for NaN (which private data can cause) then moves the sum by at
+            # most one clipped update and never the noise. The others normalise and ignore it.
+            m = self.denominator or self.client_rate * len(self.population or [])
+            return MECH.ReleaseArgs(denominator=m if m > 0 else None)
+        return MECH.ReleaseArgs()
 
     def release(self, round_type: str, updates: list[AdapterUpdate], stds: list[float], gen) -> Release:
         """The round's release alone (no ledger, global unchanged): the mechanism's own function."""
@@ -278,7 +292,8 @@ class LoRAStrategy(Strategy):
             try:
                 update = self._parse_reply(msg, seen)
             except InvalidReply as exc:
-                log.warning("round %d: dropped reply from node %s: %s", server_round, node, exc)
+                if self.disclosure.full:  # node ids and reasons are statistics of private data
+                    log.warning("round %d: dropped reply from node %s: %s", server_round, node, exc)
                 report.dropped.append({"node": int(node), "reason": str(exc)})
                 continue
             seen.add(node)
@@ -290,11 +305,11 @@ class LoRAStrategy(Strategy):
         report.aggregated = len(updates)
         answered = {msg.metadata.src_node_id for msg in replies}
         report.missing = [int(n) for n in self._sampled if n not in answered]
-        if report.missing:
+        if report.missing and self.disclosure.full:
             log.warning("round %d: no reply from %d silo(s) %s within the round timeout; the round goes on without "
                         "them (under DP-SGD their ledgers still count the round: it was sent)", server_round,
                         len(report.missing), report.missing)
-        report.train_loss = sum(losses) / len(losses) if losses else None
+        report.train_loss = sum(losses) / len(losses) if losses and self.disclosure.full else None
 
         if not updates and self.privacy.noise_at != "server":
             # Nobody to aggregate and no server noise to release (non-private, or DP-SGD on the
@@ -312,7 +327,7 @@ class LoRAStrategy(Strategy):
                                            extra=self._release_args())
         report.aggregation_seconds = time.perf_counter() - t0
         report.noise_stds = [float(s) for s in stds]
-        if release.update_norms:
+        if release.update_norms and self.disclosure.full:  # pre-clip norms: unbounded sensitivity
             report.update_norm_mean = sum(release.update_norms) / len(release.update_norms)
             report.clipped_fraction = sum(s < 1.0 for s in release.clip_scales) / len(release.clip_scales)
         self._finish_round(report)
@@ -370,6 +385,7 @@ class LoRAStrategy(Strategy):
         first_round: int = 1,
         on_round_start: Callable[[int, list[int]], None] | None = None,
         before_round: Callable[[int], None] | None = None,
+        on_release: Callable[[RoundReport], None] | None = None,
     ) -> Result:
         """Flower's round loop plus a budget check before every release and a per-round callback.
 
@@ -377,6 +393,11 @@ class LoRAStrategy(Strategy):
         ``stopped_reason`` set and the model of the last released round. ``on_round_start(round,
         nodes)`` runs after the round's silos are chosen and before any message leaves (the
         ServerApp journals the round there); ``first_round`` > 1 continues a checkpointed run.
+
+        ``on_release(report)`` runs as soon as a round's release is applied and charged, before
+        anything derived from it leaves: the evaluate messages that carry the new model, the
+        central evaluation, ``on_round`` (results.json, the console). The ServerApp writes its
+        checkpoint there, so no release leaves before it is charged durably.
         """
         self.summary()
         train_config = ConfigRecord() if train_config is None else train_config
@@ -402,6 +423,8 @@ class LoRAStrategy(Strategy):
                 on_round_start(server_round, list(self._sampled))
             replies = exchange(grid, messages, timeout)
             new_arrays, train_metrics = self.aggregate_train(server_round, replies)
+            if on_release is not None:
+                on_release(self.reports[-1])
             if new_arrays is not None:
                 arrays = result.arrays = new_arrays
             if train_metrics is not None:

@@ -45,6 +45,8 @@ class ReleaseArgs:
     """What a release needs besides the updates, the context, the stds and the generator."""
 
     glob: tuple = field(default=({}, {}))  # (A_g, B_g) by module: the public global (client-level deltas)
+    # The fixed m = q_c N of a server-noised average (client-level deltas; sample-level k-dependent
+    # releases). None: the mean over the realised k (no server noise: DP-SGD, or non-private).
     denominator: Optional[float] = None
 
 
@@ -55,7 +57,8 @@ class Mechanism:
     levels: tuple                 # privacy levels at which it is a valid release
     blocks: tuple                 # released blocks (per power iteration for powerdp-l)
     sensitivity: Callable[[SensitivityArgs], list]
-    k_dependent: bool             # sample level: the sensitivity scales with 1/k (noise scaled to the realised k)
+    k_dependent: bool             # sample level: an average whose sensitivity scales with 1/k; with server noise
+                                  # it averages over the fixed m = q_c N (ReleaseArgs.denominator), never the realised k
     release: Optional[Callable] = None  # (updates, ctx, stds, generator, ReleaseArgs) -> Release
     doc: str = ""
 
@@ -113,11 +116,11 @@ MECHANISMS: dict[str, Mechanism] = {m.name: m for m in (
               lambda u, ctx, s, g, x: R.fedpower_release(u, ctx, s[0], g),
               "PowerDP (paper Alg. 1): diameter 2C per released factor"),
     Mechanism("fedlora", "server", BOTH, ("A_avg", "B_avg"), lambda a: [_linear(a)] * 2, True,
-              lambda u, ctx, s, g, x: R.fedlora_release(u, ctx, s[0], s[1], g), "FedLoRA: A and B averaged"),
+              lambda u, ctx, s, g, x: R.fedlora_release(u, ctx, s[0], s[1], g, x.denominator), "FedLoRA: A and B averaged"),
     Mechanism("ffa", "server", BOTH, ("B_avg",), lambda a: [_linear(a)], True,
-              lambda u, ctx, s, g, x: R.ffa_release(u, ctx, s[0], g), "FFA-LoRA: B averaged, A frozen"),
+              lambda u, ctx, s, g, x: R.ffa_release(u, ctx, s[0], g, x.denominator), "FFA-LoRA: B averaged, A frozen"),
     Mechanism("input", "server", BOTH, ("W",), lambda a: [_linear(a)], True,
-              lambda u, ctx, s, g, x: R.input_perturbation_release(u, ctx, s[0], g), "input perturbation"),
+              lambda u, ctx, s, g, x: R.input_perturbation_release(u, ctx, s[0], g, x.denominator), "input perturbation"),
     Mechanism("output", "server", BOTH, ("A", "B"),
               _output_diameters, False,
               lambda u, ctx, s, g, x: R.output_perturbation_release(u, ctx, s[0], s[1], g), "output perturbation"),

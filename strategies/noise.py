@@ -20,7 +20,7 @@ import secrets
 
 import torch
 
-NOISE_MODES = ("seeded", "hardened")
+NOISE_MODES = ("hardened", "seeded")  # fedpower_app.config.NOISE_MODES: the same list
 
 
 def derive_seed(seed: int, stream: str, round_index: int) -> int:

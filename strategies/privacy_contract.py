@@ -24,6 +24,7 @@ A strategy asks its ``PrivacyHook``, round by round:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 
@@ -98,3 +99,50 @@ class NoPrivacy(ServerSideDefaults):
     def load_state_dict(self, state: dict) -> None:
         if state.get("kind") != "none":
             raise ValueError(f"privacy state of kind {state.get('kind')!r} cannot resume a non-private run")
+
+
+@dataclass(frozen=True)
+class Disclosure:
+    """What a run may show about its rounds (results.json, the console, the logs).
+
+    A private run's guarantee covers its releases (the global adapters), evaluation of them on the
+    evaluation split, ε, and the public configuration. Everything else a round produces (the silos'
+    pre-clip update norms, the clipped fraction, train loss, which replies were dropped or missing
+    and why, how many arrived) is a statistic of private data that no noise covers. ``full`` shows
+    it all: a non-private run, or ``dp.diagnostics = "released"`` (marked "not covered").
+
+    Without it a round row keeps only :data:`COVERED_ROUND_FIELDS`, plus, with DP-SGD on the silos,
+    :data:`SCHEDULE_FIELDS`: which silos are sent a round depends only on the client-sampling coins
+    and the public ledgers, and no amplification by client sampling is claimed there. With noise
+    on the server the cohort stays secret (client level: its size would weaken the secret-cohort
+    assumption of the subsampled accounting), so the counts are withheld there too.
+    """
+
+    private: bool = False
+    diagnostics_released: bool = False
+    noise_at: str | None = None
+
+    COVERED_ROUND_FIELDS = ("server_round", "round_type", "epsilon", "noise_stds", "released")
+    SCHEDULE_FIELDS = ("sampled", "over_budget", "bytes_down")
+
+    @property
+    def full(self) -> bool:
+        return not self.private or self.diagnostics_released
+
+    def round_fields(self) -> tuple | None:
+        """The fields a round row may carry (None: all of them)."""
+        if self.full:
+            return None
+        return self.COVERED_ROUND_FIELDS + (self.SCHEDULE_FIELDS if self.noise_at == "silo" else ())
+
+    def round_row(self, row: dict) -> dict:
+        keep = self.round_fields()
+        return dict(row) if keep is None else {k: v for k, v in row.items() if k in keep}
+
+    def label(self) -> str:
+        if not self.private:
+            return "non-private: every diagnostic is shown"
+        if self.diagnostics_released:
+            return ("diagnostics released, NOT covered by the guarantee (dp.diagnostics = released): per-round "
+                    "update norms, clipped fraction, train loss, reply counts, node ids and reasons")
+        return "covered only: released adapters, evaluation on the evaluation split, epsilon, public configuration"

@@ -97,12 +97,19 @@ def _extras(updates, weights, std, generator, ctx) -> dict[str, torch.Tensor]:
     }
 
 
-def _merged_weights(updates, ctx):
+def _merged_weights(updates, ctx, denominator: float | None = None):
+    """Pre-clip norms, clip scales and averaging weights (scale / k, or scale / m for a fixed m)."""
     if not updates:
         return torch.zeros(0, dtype=torch.float64), torch.zeros(0, dtype=torch.float64), torch.zeros(0, dtype=torch.float64)
     sq = merged_sq_norms(updates, ctx.groups)
     scales = clip_scales(sq, ctx.clip)
-    return sq.sqrt(), scales, scales / len(updates)
+    return sq.sqrt(), scales, scales / _divisor(len(updates), denominator)
+
+
+def _divisor(k: int, denominator: float | None) -> float:
+    """The average's denominator: the fixed expected cohort m when the noise is scaled to it (server
+    noise at sample level: the noise must not depend on who answered), else the realised k."""
+    return float(denominator) if denominator else float(max(k, 1))
 
 
 def _finish(release: Release, norms, scales, k) -> Release:
@@ -192,9 +199,10 @@ def fedpower_release(updates: list[AdapterUpdate], ctx: ReleaseContext, noise_st
     return _finish(out, norms, scales, len(updates))
 
 
-def input_perturbation_release(updates, ctx: ReleaseContext, noise_std: float, generator) -> Release:
+def input_perturbation_release(updates, ctx: ReleaseContext, noise_std: float, generator,
+                               denominator: float | None = None) -> Release:
     """Input perturbation: noise on the averaged full-rank W, then non-private power iteration."""
-    norms, scales, weights = _merged_weights(updates, ctx)
+    norms, scales, weights = _merged_weights(updates, ctx, denominator)
     out = Release()
     for g in ctx.groups:
         Bs, As = _group_factors(updates, weights, g, ctx)
@@ -248,7 +256,8 @@ def _module_shapes(ctx):
     return a, b
 
 
-def fedlora_release(updates, ctx: ReleaseContext, noise_std_a: float, noise_std_b: float, generator) -> Release:
+def fedlora_release(updates, ctx: ReleaseContext, noise_std_a: float, noise_std_b: float, generator,
+                    denominator: float | None = None) -> Release:
     """FedLoRA (paper App. Alg. 6): A-side and B-side each clipped to C, averaged, noised."""
     names = [n for g in ctx.groups for n in g.names]
     a_shapes, b_shapes = _module_shapes(ctx)
@@ -261,8 +270,9 @@ def fedlora_release(updates, ctx: ReleaseContext, noise_std_a: float, noise_std_
     sq_b = sq_norms(b_side, b_names) if k else torch.zeros(0, dtype=torch.float64)
     sq_a = sq_norms([u.A for u in updates], names) if k else torch.zeros(0, dtype=torch.float64)
     sc_b, sc_a = clip_scales(sq_b, ctx.clip), clip_scales(sq_a, ctx.clip)
-    new_b = _noisy_average(b_side, sc_b / max(k, 1), b_names, b_shapes_all, noise_std_b, generator, ctx)
-    new_a = _noisy_average([u.A for u in updates], sc_a / max(k, 1), names, a_shapes, noise_std_a, generator, ctx)
+    d = _divisor(k, denominator)
+    new_b = _noisy_average(b_side, sc_b / d, b_names, b_shapes_all, noise_std_b, generator, ctx)
+    new_a = _noisy_average([u.A for u in updates], sc_a / d, names, a_shapes, noise_std_a, generator, ctx)
     out.B = {n: new_b[f"B::{n}"] for n in names}
     out.extra_delta = {n: new_b[f"X::{n}"] for n in sorted(ctx.extra_shapes)}
     out.A = new_a
@@ -270,7 +280,8 @@ def fedlora_release(updates, ctx: ReleaseContext, noise_std_a: float, noise_std_
     return _finish(out, norms, torch.minimum(sc_a, sc_b), k)
 
 
-def ffa_release(updates, ctx: ReleaseContext, noise_std_b: float, generator) -> Release:
+def ffa_release(updates, ctx: ReleaseContext, noise_std_b: float, generator,
+                denominator: float | None = None) -> Release:
     """FFA-LoRA (paper App. Alg. 7): only the B-side is clipped, averaged and noised; A is frozen."""
     names = [n for g in ctx.groups for n in g.names]
     _, b_shapes = _module_shapes(ctx)
@@ -280,7 +291,7 @@ def ffa_release(updates, ctx: ReleaseContext, noise_std_b: float, generator) -> 
     shapes = {**{f"B::{n}": b_shapes[n] for n in names}, **{f"X::{n}": ctx.extra_shapes[n] for n in ctx.extra_shapes}}
     sq_b = sq_norms(b_side, b_names) if k else torch.zeros(0, dtype=torch.float64)
     sc_b = clip_scales(sq_b, ctx.clip)
-    new_b = _noisy_average(b_side, sc_b / max(k, 1), b_names, shapes, noise_std_b, generator, ctx)
+    new_b = _noisy_average(b_side, sc_b / _divisor(k, denominator), b_names, shapes, noise_std_b, generator, ctx)
     out = Release(B={n: new_b[f"B::{n}"] for n in names},
                   extra_delta={n: new_b[f"X::{n}"] for n in sorted(ctx.extra_shapes)})
     return _finish(out, sq_b.sqrt(), sc_b, k)

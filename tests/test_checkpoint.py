@@ -18,7 +18,8 @@ from fedpower_app.config import PROJECT_ROOT, parse_config
 
 TINY = {"task.synthetic-train-size": 240, "task.synthetic-eval-size": 80, "task.max-length": 32,
         "train.local-steps": 2, "train.batch-size": 16, "strategy.client-rate": 1.0,
-        "train.lr": 0.003, "train.lr-schedule": "constant", "num-server-rounds": 3, "run-name": "run"}
+        "train.lr": 0.003, "train.lr-schedule": "constant", "num-server-rounds": 3, "run-name": "run",
+        "dp.noise": "seeded"}  # the reproducible mode: a resumed run must repeat the uninterrupted one
 
 
 def payload(round_=2, **kw):
@@ -229,3 +230,24 @@ def test_silo_ledger_file_survives_a_server_restart_and_a_seeded_rerun_is_not_pa
     for i in range(2):
         saved = json.loads((tmp_path / f"silo{i}" / "ledger.json").read_text())
         assert saved["ledger"]["entries"][0][3] == 3 and len(saved["paid"]) == 3  # rounds 1, 2, 3 once each
+
+
+def test_no_release_leaves_before_it_is_charged_durably(tmp_path):
+    """Server-side noise drawn from secrets, and silos that evaluate every new global model: the
+    run is killed after round 2's evaluate messages left (before the central evaluation). The
+    checkpoint on disk must already hold round 2's release and its charge; results.json may not be
+    ahead of it. The resumed run writes round 2's row from the checkpoint and charges nothing twice."""
+    cfg = {**TINY, "output-dir": str(tmp_path), "dp.noise-at": "server", "dp.noise": "hardened",
+           "eval.fraction-clients": 1.0, "dp.epsilon": 50.0}
+    assert run_worker(cfg, "before-central-eval:2") == -signal.SIGKILL
+    resolved = parse_config(cfg).to_dict()
+    ck = CK.load_checkpoint(tmp_path / "run", config=resolved, strategy=resolved["strategy.name"])
+    assert ck["round"] == 2 and len(ck["privacy"]["ledger"]["history"]) == 2  # released => charged, on disk
+    assert ck["pending_row"]["server_round"] == 2
+    written = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert [r["server_round"] for r in written["rounds"]] == [1]
+    assert run_worker({**cfg, "resume": True}) == 0
+    res = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert res["status"] == "completed" and [r["server_round"] for r in res["rounds"]] == [1, 2, 3]
+    assert res["rounds"][1]["accuracy"] is not None
+    assert len(res["privacy_final"]["ledger"]["history"]) == 3  # each release charged once

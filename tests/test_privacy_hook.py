@@ -7,7 +7,7 @@ from flwr.app import ArrayRecord
 
 from fedpower_app import accounting as A
 from fedpower_app.config import parse_config
-from fedpower_app.privacy import AccountedPrivacy, NonPrivate, build_privacy, seeded_noise_warning
+from fedpower_app.privacy import AccountedPrivacy, NonPrivate, build_privacy, guarantee
 from strategies.flower import FedPowerStrategy
 from strategies.noise import NoiseSource
 from fedpower_app.inprocess import InProcessGrid
@@ -88,7 +88,8 @@ def test_non_private():
 
 def test_a_seeded_private_run_is_told_that_its_seed_reveals_the_noise():
     # The seed is in the run config every silo receives: with seeded noise they can subtract it.
-    warning = seeded_noise_warning(parse_config({"seed": 7, "dp.level": "client"}))
-    assert "seed=7" in warning and 'dp.noise = "hardened"' in warning
-    assert seeded_noise_warning(parse_config({"dp.level": "client", "dp.noise": "hardened"})) is None
-    assert seeded_noise_warning(parse_config({"dp.level": "none"})) is None
+    claim = guarantee(parse_config({"seed": 7, "dp.level": "client", "dp.noise": "seeded"}))
+    assert claim["mode"] == "reproducible" and claim["valid"] is False
+    assert "seed=7" in claim["statement"] and "not a guarantee against whoever holds the seed" in claim["statement"]
+    assert guarantee(parse_config({"dp.level": "client", "dp.noise": "hardened"}))["valid"] is True
+    assert guarantee(parse_config({"dp.level": "none"}))["valid"] is False

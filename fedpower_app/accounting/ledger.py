@@ -88,7 +88,7 @@ class PrivacyLedger:
         return _type_z(self.plan, _check_round_type(round_type), self._noise(round_type, None))
 
     def noise_stds_for_round(self, round_type: str, k: Optional[int] = None) -> list:
-        """Per-block noise std the server must use this round (pass the realised k at sample level)."""
+        """Per-block noise std the server must use this round (at sample level pass the fixed m = q_c N)."""
         rt = _check_round_type(round_type)
         if self.calibration.mode == "paper":
             n = len(self.plan.sensitivities(rt))

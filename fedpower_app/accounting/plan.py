@@ -126,12 +126,17 @@ def _schedule_counts(schedule: Sequence[str]) -> dict:
 # --------------------------------------------------------------------------------------------
 
 
-def _check_k(k: Optional[int]) -> Optional[int]:
+def _check_k(k) -> Optional[float]:
+    """k: a count of aggregated clients (non-negative integer) or the fixed denominator m = q_c N
+    (a positive real) that the server-noised sample-level averages divide by."""
     if k is None:
         return None
-    if not _is_int(k) or int(k) < 0:
-        raise ValueError(f"k (number of aggregated clients) must be a non-negative integer, got {k!r}")
-    return int(k)
+    if _is_int(k) and int(k) >= 0:
+        return int(k)
+    if isinstance(k, float) and math.isfinite(k) and k > 0:
+        return k
+    raise ValueError(f"k (number of aggregated clients, or the fixed m = q_c N) must be a non-negative integer "
+                     f"or a positive number, got {k!r}")
 
 
 def block_sensitivities(
@@ -360,6 +365,12 @@ class PrivacyPlan:
     def denominator(self) -> Optional[float]:
         """The fixed denominator m = q_c N of the client-level delta averages (None at sample level)."""
         return self.client_rate * self.num_clients if self.level == "client" else None
+
+    @property
+    def expected_cohort(self) -> float:
+        """m = q_c N, fixed before any round: the denominator of every server-noised average, at
+        both levels, so that no noise std depends on how many replies arrived (docs/privacy.md §1.2)."""
+        return self.client_rate * self.num_clients
 
     def sensitivities(self, round_type: str, k: Optional[int] = None) -> list:
         """``block_sensitivities`` of a round type of this plan."""

@@ -148,3 +148,45 @@ def silo_admits(ledger: SiloLedger, params, num_examples: int, *, max_epsilon: f
         raise SiloRefusal(f"refused: this round would take the silo to epsilon {after:.3f} > its budget "
                           f"{max_epsilon:g} (delta {ledger.delta:g}; {ledger.rounds} rounds trained so far)")
     return q
+
+
+#: δ of a silo that sets a budget (node config ``dp-max-epsilon``) but no ``dp-delta``. Fixed here, never
+#: taken from the run config: a server that sent δ = 0.1 would otherwise buy itself ~60x the rounds.
+SILO_DEFAULT_DELTA = 1e-5
+
+
+def paid_params(params, sample_rate: float) -> list:
+    """What a paid release is recorded with: the DP parameters it ran with and the rate it drew at."""
+    return [float(params.noise_multiplier), float(params.clip), int(params.batch_size), int(params.local_steps),
+            float(params.head_clip), float(sample_rate)]
+
+
+def silo_gate(ledger: SiloLedger, paid: list, key: str | None, params, num_examples: int, *,
+              max_epsilon: float) -> tuple[float, bool]:
+    """The silo's whole decision on a DP-SGD train round, before it touches its data: returns
+    ``(q, charge)``; raises ``SiloRefusal`` to refuse.
+
+    Every round's parameters are checked, replays included (a replay with σ = 0 is refused like any
+    round). ``key`` names a seeded round (its draws follow from the run config and the round); a key
+    this silo already paid for is the same release again, and is not charged again, only if it
+    carries exactly the DP parameters it was paid with (``paid`` holds ``{"key", "params"}``
+    entries). A replay with other parameters is refused: it would be a new release at no charge.
+    Anything else must fit in the silo's own budget."""
+    if params is None:
+        raise SiloRefusal("refused: the train message carries no DP-SGD parameters, and this silo "
+                          "trains only with DP-SGD")
+    problems = params.problems()
+    if problems:
+        raise SiloRefusal("refused: invalid DP-SGD parameters: " + "; ".join(problems))
+    if params.noise_multiplier <= 0:
+        raise SiloRefusal("refused: noise multiplier 0 gives no privacy")
+    q = params.sample_rate(num_examples)
+    if key is not None:
+        for entry in paid:
+            if isinstance(entry, dict) and entry.get("key") == key:
+                if entry.get("params") != paid_params(params, q):
+                    raise SiloRefusal(f"refused: round {key.rsplit(':', 1)[-1]} was already trained and paid with "
+                                      f"DP parameters {entry.get('params')}; a replay must carry the same, got "
+                                      f"{paid_params(params, q)}")
+                return q, False  # the same seeded release again: already charged
+    return silo_admits(ledger, params, num_examples, max_epsilon=max_epsilon), True
