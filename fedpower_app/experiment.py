@@ -353,6 +353,9 @@ def _resolve_path(path: str, base: Path) -> str:
 def cell_overrides(spec: GridSpec, cell: Cell, out: Path) -> dict[str, Any]:
     """The exact run-config passed to ``flwr run`` for a cell (preset + grid overrides + cell)."""
     ov = spec.base_overrides(cell.task)
+    # A grid is an experiment: its cells repeat bit for bit (reproducible mode, labelled "not a
+    # guarantee against whoever holds the seed"), unless the grid or preset says otherwise.
+    ov.setdefault("dp.noise", "seeded")
     ov["task.name"] = cell.task
     if spec.data_dir is not None:
         ov["task.data-dir"] = spec.data_dir.replace("{task}", cell.task)

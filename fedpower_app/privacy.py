@@ -98,13 +98,21 @@ class AccountedPrivacy(ServerSideDefaults):
         return float(self.plan.clip)
 
     # -- PrivacyHook ------------------------------------------------------------------------
+    @property
+    def fixed_denominator(self) -> float | None:
+        """m = q_c N: what the sample-level k-dependent averages divide by, so that their noise is
+        fixed before the round. None in paper mode: the paper's noise σ_alg·C never depended on k
+        and its true ε is accounted at the worst case k = 1, so it keeps the paper's mean over k."""
+        if self.plan.level != "sample" or self.calibration.mode == "paper":
+            return None
+        return self.plan.expected_cohort
+
     def noise_stds(self, round_type: str, num_clients: int) -> list[float]:
         # Never the realised number of replies (``num_clients`` is ignored): a reply dropped for NaN,
         # which private data can cause, would move the noise. Sample level: the k-dependent
-        # releases average over the fixed m = q_c N (ReleaseArgs.denominator) and their noise is
+        # releases average over the fixed m = q_c N (``fixed_denominator``) and their noise is
         # scaled to it; client level: the fixed denominator is in the sensitivity already.
-        k = self.plan.expected_cohort if self.plan.level == "sample" else None
-        return [float(s) for s in self.ledger.noise_stds_for_round(round_type, k=k)]
+        return [float(s) for s in self.ledger.noise_stds_for_round(round_type, k=self.fixed_denominator)]
 
     def check(self, round_type: str, server_round: int) -> None:
         vec = self.ledger.rdp_for_round(round_type)

@@ -303,24 +303,29 @@ def noise_table(hook) -> dict[str, dict[str, Any]]:
     sqrt(sum_j Delta_j^2) of the blocks, and z = (sum_j (Delta_j/s_j)^2)^(-1/2) is the effective
     multiplier the accountant uses. When every block has the same std s (all methods in rigorous
     mode except output perturbation), s = z * Delta. Otherwise ``std`` is the single std that gives
-    the same z on the concatenated release (``std_is_equivalent``). Sample level: values at k = 1.
+    the same z on the concatenated release (``std_is_equivalent``). Sample level: the k-dependent
+    averages are over the fixed m = q_c N (Delta = 2C/m), as the server releases them.
     Stds are the server's (``hook.noise_stds``), sensitivities ``accounting.block_sensitivities``.
     """
+    from strategies import mechanisms as MECH
+
     plan, cal = hook.plan, hook.calibration
     table: dict[str, dict[str, Any]] = {}
-    server_stds = getattr(hook, "noise_stds", None)  # what the strategy asks for (k = realised clients)
+    server_stds = getattr(hook, "noise_stds", None)  # what the strategy asks for (never the realised k)
 
     def stds_at(rt: str, k: int) -> list[float]:
         return [float(s) for s in (server_stds(rt, k) if server_stds else cal.noise_std[rt])]
 
     for rt in cal.noise_std:
         stds = stds_at(rt, 1)
+        over_m = rt in MECH.MECHANISMS and MECH.get(rt).k_dependent
+        m = getattr(hook, "fixed_denominator", None) if over_m else None
         names = list(acc.BLOCK_NAMES.get(rt, ())) or [f"block{j + 1}" for j in range(len(stds))]
         if len(names) < len(stds):  # PowerDP-L: (Y, X) per power iteration -> Y1, X1, Y2, X2, ...
             names = [f"{names[j % len(names)]}{j // len(names) + 1}" for j in range(len(stds))]
         z = float(cal.z_per_round_type.get(rt, cal.z))
         try:
-            sens = [float(d) for d in plan.sensitivities(rt)]
+            sens = [float(d) for d in plan.sensitivities(rt, m)]
             sens_k2 = plan.sensitivities(rt, 2)
         except ValueError:  # a release the sensitivity table does not know: report the stds only
             sens, sens_k2 = None, None
@@ -329,7 +334,8 @@ def noise_table(hook) -> dict[str, dict[str, Any]]:
             "blocks": [{"name": n, "delta": None if sens is None else sens[j], "std": s}
                        for j, (n, s) in enumerate(zip(names, stds))],
             "std_scales_with_k": stds_at(rt, 2) != stds,
-            "delta_depends_on_k": sens is not None and [float(d) for d in sens_k2] != sens,
+            "delta_depends_on_k": sens is not None and [float(d) for d in sens_k2] != [float(d) for d in plan.sensitivities(rt, 1)],
+            "denominator": m,
         }
         if sens is not None and len(sens) == len(stds):
             delta = math.sqrt(sum(d * d for d in sens))
@@ -415,9 +421,9 @@ def render(res: dict[str, Any], every: int, preset: Optional[str] = None) -> str
                 f"z={_g(e['z'])}")
         if len(blocks) == 1:
             line += f"  ({blocks[0]['name']})"
-        if plan.level == "sample" and e["std_scales_with_k"]:
-            line += (f"  [at k=1; the server averages over the fixed m = q_c*N = {_fmt(plan.expected_cohort)} "
-                     "and uses std/m, as Delta is then Delta/m]")
+        if e.get("denominator"):
+            line += (f"  [average over the fixed m = q_c*N = {_fmt(e['denominator'])}, whatever the number of "
+                     "replies: Delta = 2C/m, std fixed before the round]")
         elif plan.level == "sample" and e["delta_depends_on_k"]:
             line += "  [fixed std; Delta at k=1, the worst case]"
         L.append(line)

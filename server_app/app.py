@@ -243,7 +243,9 @@ def resume_state(cfg: RunConfig, run_dir: Path, checkpoint: dict | None, strateg
         note["inflight_round"] = inflight["round"]
         if cfg["dp.noise"] == "hardened" and privacy.enabled:
             privacy.charge_lost_release(inflight["silos"])
-            note["inflight_counted_as"] = (f"a lost release charged to silos {inflight['silos']} (hardened noise "
+            # which silos (the cohort) is a diagnostic at client level; the charge itself is covered
+            silos = inflight["silos"] if cfg.diagnostics_released else "it was sent to"
+            note["inflight_counted_as"] = (f"a lost release charged to the silos {silos} (hardened noise "
                                            "cannot be reproduced); the re-run is charged again")
         else:
             note["inflight_counted_as"] = ("re-run with the same seeded draws: the same release, counted once"
@@ -344,8 +346,8 @@ def _run(grid: Grid, cfg: RunConfig, run_dir: Path, results: ResultsWriter, chec
         refactor_every=cfg["strategy.refactor-every"],
         client_level=cfg["dp.level"] == "client",
         refactorization=cfg["strategy.client-refactorization"],
-        # m = q_c N: every server-noised average divides by it, never by the replies that arrived
-        denominator=privacy.plan.expected_cohort if privacy.noise_at == "server" else None,
+        # m = q_c N: the client-level averages divide by it (sample level: privacy.fixed_denominator)
+        denominator=privacy.plan.denominator if cfg["dp.level"] == "client" else None,
         disclosure=disclosure,
     )
     evaluate_fn = CentralEvaluator(cfg, model, splits, device)
@@ -442,6 +444,8 @@ def _run(grid: Grid, cfg: RunConfig, run_dir: Path, results: ResultsWriter, chec
                                 max_length=cfg["task.max-length"])
     torch.save(evaluate_fn.last_logits, run_dir / "final-eval-logits.pt")
     status = "stopped-budget" if strategy.stopped_reason else "completed"
+    # The journal names the last round's silos (a cohort): server state for a resume, not an output.
+    (run_dir / CK.INFLIGHT_FILE).unlink(missing_ok=True)
     results.finish(status, stopped_reason=strategy.stopped_reason, adapter_dir=str(adapter_dir),
                    privacy_final=privacy.final_report())
     totals = results.data["totals"]

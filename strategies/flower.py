@@ -143,8 +143,6 @@ class LoRAStrategy(Strategy):
         # Client level (strategies/client_delta.py): releases of each silo's round delta, averaged
         # over the fixed expected cohort m = q_c N; FedPower refactorizes with PowerDP-L (or the
         # paper's PowerDP on the delta, an ablation).
-        if denominator is None and getattr(self.privacy, "plan", None) is not None:
-            denominator = self.privacy.plan.expected_cohort  # m = q_c N, the privacy layer's
         if client_level and not (denominator and denominator > 0):
             raise ValueError("client level needs the fixed denominator m = q_c N > 0")
         if refactorization not in MECH.CLIENT_REFACTORIZATION:
@@ -207,8 +205,7 @@ class LoRAStrategy(Strategy):
             # perturbation) average over the fixed m = q_c N, whose noise std is set before the
             # round; a reply dropped for NaN (which private data can cause) then moves the sum by at
             # most one clipped update and never the noise. The others normalise and ignore it.
-            m = self.denominator or self.client_rate * len(self.population or [])
-            return MECH.ReleaseArgs(denominator=m if m > 0 else None)
+            return MECH.ReleaseArgs(denominator=self.denominator or getattr(self.privacy, "fixed_denominator", None))
         return MECH.ReleaseArgs()
 
     def release(self, round_type: str, updates: list[AdapterUpdate], stds: list[float], gen) -> Release:

@@ -218,7 +218,7 @@ def test_silo_ledger_file_survives_a_server_restart_and_a_seeded_rerun_is_not_pa
     equal to the run's: the server dies while writing round 2's checkpoint (the silos had trained
     and paid round 2); the resumed run re-runs round 2 with the same seeded draws (the same
     release: not paid again) and round 3, which the silos admit within their own budget."""
-    cfg = {**TINY, "output-dir": str(tmp_path), "dp.noise-at": "silo"}
+    cfg = {**TINY, "output-dir": str(tmp_path), "dp.noise-at": "silo", "dp.diagnostics": "released"}
     nodes = {str(i): {"ledger-file": str(tmp_path / f"silo{i}" / "ledger.json"), "dp-max-epsilon": 8.0}
              for i in range(2)}
     assert run_worker(cfg, "checkpoint-tmp-written:2", nodes) == -signal.SIGKILL

@@ -223,7 +223,8 @@ def test_client_level_runs_release_deltas_through_the_real_apps(tmp_path, name, 
     from tests.test_app_inprocess import run_inprocess
 
     res, _ = run_inprocess(tmp_path, num_nodes=3, **{"num-server-rounds": 2, "dp.level": "client",
-                                                     "strategy.name": name, "dp.clip": 0.5, **extra})
+                                                     "strategy.name": name, "dp.clip": 0.5, **extra,
+                                                     "dp.noise": "hardened", "dp.diagnostics": "released"})
     cal = res["privacy"]["calibration"]
     assert res["status"] == "completed" and cal["is_valid_guarantee"] and cal["level"] == "client"
     for row in res["rounds"]:

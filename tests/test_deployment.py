@@ -54,7 +54,8 @@ def test_superlink_and_two_supernodes(tmp_path):
                                            "--max-retries", "5"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         out = tmp_path / "outputs"
         overrides = run_config_arg({**load_preset(PROJECT_ROOT / "conf" / "tiny.toml"), "output-dir": str(out),
-                                    "run-name": "deploy", "num-server-rounds": 1, "strategy.client-rate": 1.0})
+                                    "run-name": "deploy", "num-server-rounds": 1, "strategy.client-rate": 1.0,
+                                    "dp.diagnostics": "released"})
         run = subprocess.run([str(BIN / "flwr"), "run", str(PROJECT_ROOT), "deploy", "--stream",
                               "--run-config", overrides],
                              env=env, capture_output=True, text=True, timeout=900)
@@ -216,7 +217,7 @@ def test_a_killed_supernode_is_waited_for_only_until_the_timeout_and_rejoins(tmp
         overrides = run_config_arg({**load_preset(PROJECT_ROOT / "conf" / "tiny.toml"), "output-dir": str(out),
                                     "run-name": "faults", "num-server-rounds": 5, "strategy.client-rate": 1.0,
                                     "strategy.min-nodes": 2, "strategy.round-timeout": ROUND_TIMEOUT,
-                                    "dp.noise-at": "silo"})
+                                    "dp.noise-at": "silo", "dp.diagnostics": "released"})
         run = subprocess.Popen([str(BIN / "flwr"), "run", str(PROJECT_ROOT), "deploy", "--stream", "--run-config", overrides],
                                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         procs.append(run)

@@ -44,7 +44,8 @@ def test_flwr_run_completes_and_writes_results(strategy, flwr_home, tmp_path):
     for row in results["rounds"]:
         assert 0.0 <= row["accuracy"] <= 1.0
         assert row["epsilon"] is not None and row["epsilon"] > 0
-        assert row["aggregated"] <= row["sampled"] <= 3
+        assert 1 <= row["sampled"] <= 3  # silos sent the round: client-sampling coins only
+        assert "aggregated" not in row and "train_loss" not in row  # a private run withholds its diagnostics
     assert results["clients"]["count"] == 3
     # The default: sample-level DP by DP-SGD on the silos, accounted per silo.
     assert results["privacy"]["noise_at"] == "silo" and results["privacy"]["is_valid_guarantee"] is True
@@ -78,7 +79,8 @@ def test_cross_device_simulation_with_many_clients(flwr_home, tmp_path):
     accountant composes Poisson-subsampled Gaussians at rate q_c."""
     out = tmp_path / "outputs"
     overrides = {"output-dir": str(out), "run-name": "xdev", "dp.level": "client", "strategy.client-rate": 0.1,
-                 "task.synthetic-train-size": 60 * 20, "train.batch-size": 8, "num-server-rounds": 2, "dp.clip": 0.5}
+                 "task.synthetic-train-size": 60 * 20, "train.batch-size": 8, "num-server-rounds": 2, "dp.clip": 0.5,
+                 "dp.diagnostics": "released"}  # the cohort sizes per round are diagnostics at client level
     outcome = run_flwr(PROJECT_ROOT, overrides, preset=PROJECT_ROOT / "conf" / "tiny.toml", num_supernodes=60,
                        flwr_home=flwr_home, superlink_port=PORT, echo=False, timeout=1200)
     assert outcome.ok, outcome.output[-3000:]

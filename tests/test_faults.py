@@ -27,7 +27,8 @@ def silent_in(rounds):
 def test_a_silent_silo_misses_the_round_without_stalling_it(tmp_path):
     t0 = time.time()
     res, _ = run_inprocess(tmp_path, num_nodes=3, handlers={102: silent_in({2})},
-                           **{"num-server-rounds": 3, "strategy.round-timeout": 4.0, "dp.noise-at": "silo"})
+                           **{"num-server-rounds": 3, "strategy.round-timeout": 4.0, "dp.noise-at": "silo",
+                              "dp.diagnostics": "released"})
     rows = res["rounds"]
     assert [r["aggregated"] for r in rows] == [3, 2, 3]
     assert rows[1]["missing"] == [102] and rows[0]["missing"] == rows[2]["missing"] == []
@@ -65,7 +66,8 @@ def test_a_restarted_silo_rejoins_with_its_ledger_and_a_stranger_is_not_admitted
     InProcessGrid.__init__ = init
     try:
         res, _ = run_inprocess(tmp_path, num_nodes=2, handlers={101: crash_and_restart},
-                               **{"num-server-rounds": 4, "strategy.round-timeout": 4.0, "dp.noise-at": "silo"})
+                               **{"num-server-rounds": 4, "strategy.round-timeout": 4.0, "dp.noise-at": "silo",
+                              "dp.diagnostics": "released"})
     finally:
         InProcessGrid.__init__ = original_init
     rows = res["rounds"]

@@ -18,7 +18,8 @@ def test_client_level_run_with_many_clients_accounts_at_the_fixed_cohort(tmp_pat
     rc = inprocess_run.main([
         "--preset", "conf/tiny.toml", "--clients", "12", "--name", "cd", "--out", str(tmp_path),
         "--set", 'strategy.name="fedlora"', "--set", 'dp.level="client"', "--set", "strategy.client-rate=0.5",
-        "--set", "dp.clip=0.5", "--set", "task.synthetic-train-size=240"])
+        "--set", "dp.clip=0.5", "--set", "task.synthetic-train-size=240",
+        "--set", 'dp.diagnostics="released"'])  # the cohort size per round is a diagnostic at client level
     assert rc == 0
     res = json.loads((tmp_path / "cd" / "results.json").read_text())
     assert res["status"] == "completed" and len(res["rounds"]) == 2

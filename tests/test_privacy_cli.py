@@ -13,6 +13,8 @@ import re
 
 import pytest
 
+from strategies import mechanisms as MECH
+
 from fedpower_app import accounting as A
 from fedpower_app import privacy_cli
 from fedpower_app.config import SCHEMA, load_preset, parse_config
@@ -165,12 +167,14 @@ def test_printed_std_is_z_times_printed_delta(method, level, calibration, capsys
     argv = [a for k, v in over.items() for a in ("--set", f"{k}={v}")]
     rt = (CLIENT_ROUND_TYPE if level == "client" else METHOD_ROUND_TYPE)[method]
     hook = build_privacy(parse_config(over), client_sizes=DEFAULT_SIZES, num_modules=M)
-    server_stds = hook.noise_stds(rt, 1)  # what the strategy adds (k = 1 aggregated client)
+    server_stds = hook.noise_stds(rt, 1)  # what the strategy adds (whatever the number of replies)
+    # sample level: the k-dependent averages are over the fixed m = q_c N, Delta = 2C/m (issue #31)
+    m = (hook.fixed_denominator or 1.0) if MECH.get(rt).k_dependent else 1.0
 
     # JSON: full precision.
     e = run_json(argv, capsys)["noise"][rt]
     assert e["std"] == pytest.approx(e["z"] * e["delta"], rel=1e-12)
-    assert e["delta"] == pytest.approx(SPEC_DELTA[rt, level], rel=1e-12)
+    assert e["delta"] == pytest.approx(SPEC_DELTA[rt, level] / m, rel=1e-12)
     assert [b["std"] for b in e["blocks"]] == pytest.approx(server_stds, rel=1e-12)
     assert A.effective_z([b["delta"] for b in e["blocks"]], [b["std"] for b in e["blocks"]]) == pytest.approx(
         e["z"], rel=1e-12)
@@ -181,7 +185,7 @@ def test_printed_std_is_z_times_printed_delta(method, level, calibration, capsys
     rounds = {m[0]: [float(x) for x in m[1:]] for m in _ROUND.findall(out)}
     delta, std, z = rounds[rt]
     assert std == pytest.approx(z * delta, rel=1e-6)
-    assert delta == pytest.approx(SPEC_DELTA[rt, level], rel=1e-6)
+    assert delta == pytest.approx(SPEC_DELTA[rt, level] / m, rel=1e-6)
     if len(server_stds) > 1:
         blocks = [(n, float(d), float(s)) for n, d, s in _BLOCK.findall(_BLOCKS.search(out).group(1))]
         assert [b[2] for b in blocks] == pytest.approx(server_stds, rel=1e-6)
@@ -200,7 +204,7 @@ def test_refactorization_prints_both_round_types(capsys):
     assert set(rounds) == {"powerdp", "fedlora"}
     for delta, std, z in rounds.values():
         assert std == pytest.approx(z * delta, rel=1e-6)
-    assert "server uses std/k" in out  # FedLoRA rounds at sample level scale with the realised k
+    assert "average over the fixed m = q_c*N" in out  # FedLoRA rounds at sample level: over the fixed m
 
 
 # ------------------------------------------------------------------------------------------
