@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
-STRATEGIES = ("fedpower", "fedlora", "ffa-lora", "input-perturbation", "output-perturbation")
+STRATEGIES = ("fedpower", "fedlora", "ffa-lora", "fedsvd", "input-perturbation", "output-perturbation")
 DP_LEVELS = ("none", "sample", "client")
 TASKS = ("synthetic", "sst2", "qnli", "mnli", "qqp")
 DEVICES = ("auto", "cpu", "cuda")
@@ -247,5 +247,10 @@ def _cross_checks(v: dict[str, Any]) -> None:
     if v["dp.calibration"] == "paper" and v["dp.noise-at"] == "silo" and v["dp.level"] == "sample":
         raise ConfigError("config key 'dp.calibration' = 'paper' reproduces the paper's server-side noise; "
                           "set dp.noise-at = 'server'")
+    if v["strategy.name"] == "fedsvd" and v["dp.level"] != "none" and not (
+            v["dp.level"] == "sample" and v["dp.noise-at"] == "silo"):
+        raise ConfigError("config key 'strategy.name' = 'fedsvd' is defined with DP-SGD on the silos "
+                          "(dp.level = 'sample', dp.noise-at = 'silo') or without DP (dp.level = 'none'); "
+                          "its server step adds no noise")
     if v["task.name"] == "synthetic" and v["task.data-dir"]:
         raise ConfigError("config key 'task.data-dir' is set but task.name = 'synthetic' (choose a GLUE task)")

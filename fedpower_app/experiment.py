@@ -107,6 +107,7 @@ TABLE_TITLES = {
 METHOD_LABELS = {
     "fedlora": "FedLoRA",
     "ffa-lora": "FFA-LoRA",
+    "fedsvd": "FedSVD",
     "fedpower": "FedPower",
     "input-perturbation": "Input perturbation",
     "output-perturbation": "Output perturbation",

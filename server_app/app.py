@@ -178,7 +178,7 @@ def _mb(n: int) -> str:
 
 # What the server does in a round when the noise is added on the silos (DP-SGD): no server noise.
 SILO_DP_ROUND_LABELS = {"powerdp": "refactor, DP-SGD on silos", "fedlora": "average, DP-SGD on silos",
-                        "ffa": "average B, DP-SGD on silos"}
+                        "ffa": "average B, DP-SGD on silos", "fedsvd": "SVD refactor, DP-SGD on silos"}
 
 
 def progress_line(row: dict, metrics: MetricRecord | None, num_rounds: int, epsilon_target, wall: float,
@@ -450,7 +450,8 @@ def _run(grid: Grid, cfg: RunConfig, run_dir: Path, results: ResultsWriter, chec
                    privacy_final=privacy.final_report())
     totals = results.data["totals"]
     acc, eps = totals.get("final_accuracy"), totals.get("final_epsilon")
-    kind = "" if claim["valid"] or not privacy.enabled else (
+    kind = "" if not privacy.enabled else (
+        " [a guarantee: noise and coins from secrets no output holds]" if claim["valid"] else
         " [reproducible mode: not a guarantee against whoever holds the seed]" if claim["mode"] == "reproducible"
         else " [not a valid guarantee: the paper's calibration]")
     log.info("run %s %s: final accuracy %s, %s%s; results %s; model %s", run_dir.name, status,

@@ -200,6 +200,8 @@ class LoRAStrategy(Strategy):
     def _release_args(self) -> MECH.ReleaseArgs:
         if self.client_level:
             return MECH.ReleaseArgs(glob=self._global_factors(), denominator=self.denominator)
+        if self.method == "fedsvd":  # refactorizes B_avg A_g: needs the round's public global A
+            return MECH.ReleaseArgs(glob=self._global_factors())
         if self.privacy.noise_at == "server":
             # Sample level, server noise: the k-dependent releases (FedLoRA, FFA-LoRA, input
             # perturbation) average over the fixed m = q_c N, whose noise std is set before the
@@ -474,9 +476,23 @@ class FFALoRAStrategy(LoRAStrategy):
     replies_a = False
 
 
+class FedSVDStrategy(LoRAStrategy):
+    """FedSVD (Lee et al. 2025): silos train B with the global A frozen; the server averages B and
+    refactorizes B_avg A_g by SVD into a new orthonormal A every round (strategies/fedsvd.py).
+    Under DP-SGD on the silos that step is post-processing; no server-side noise is defined."""
+
+    method = "fedsvd"
+    replies_a = False
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        if self.privacy.noise_at == "server" or self.client_level:
+            raise ValueError("FedSVD is defined with DP-SGD on the silos (dp.noise-at = silo) or without DP")
+
+
 STRATEGY_CLASSES = {"fedpower": FedPowerStrategy, "input-perturbation": FedPowerStrategy,
                     "output-perturbation": FedPowerStrategy, "fedlora": FedLoRAStrategy,
-                    "ffa-lora": FFALoRAStrategy}
+                    "ffa-lora": FFALoRAStrategy, "fedsvd": FedSVDStrategy}
 
 
 def trained_lora_factors(name: str) -> str:
@@ -499,4 +515,6 @@ def build_strategy(name: str, **kw) -> LoRAStrategy:
         return FedLoRAStrategy(**kw)
     if name == "ffa-lora":
         return FFALoRAStrategy(**kw)
+    if name == "fedsvd":
+        return FedSVDStrategy(**kw)
     raise ValueError(f"unknown strategy {name!r}")

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from . import client_delta as CD
+from . import fedsvd as SVD
 from . import releases as R
 
 
@@ -146,6 +147,10 @@ MECHANISMS: dict[str, Mechanism] = {m.name: m for m in (
               _output_diameters, False,
               lambda u, ctx, s, g, x: CD.output_delta_release(u, ctx, x.glob, s[0], s[1], g),
               "output perturbation on the averaged round delta"),
+    # -- FedSVD (strategies/fedsvd.py): post-processing of the silos' DP-SGD replies (or non-private) ----
+    Mechanism("fedsvd", "silo", ("sample",), ("B_avg A_g, refactorized by SVD",), lambda a: [], False,
+              lambda u, ctx, s, g, x: SVD.fedsvd_release(u, ctx, x.glob),
+              "FedSVD: B averaged, B_avg A_g refactorized by SVD into a new orthonormal A (no server noise)"),
     # -- DP-SGD inside every silo (fedpower_app.dp_sgd): the server's release is post-processing ---
     Mechanism("dp-sgd", "silo", ("sample",), ("clipped per-example gradient sum",),
               lambda a: [dp_sgd_sensitivity(a.clip, a.head_clip)], False, None,
@@ -158,7 +163,7 @@ DELTA_MECHANISMS = ("powerdp-l", "fedlora-delta", "ffa-delta", "input-delta", "p
 
 # -- the round schedule --------------------------------------------------------------------------
 #: Each method's release when it does not refactorize (FedPower refactorizes every F-th round).
-METHOD_RELEASE = {"fedlora": "fedlora", "ffa-lora": "ffa", "input-perturbation": "input",
+METHOD_RELEASE = {"fedlora": "fedlora", "ffa-lora": "ffa", "fedsvd": "fedsvd", "input-perturbation": "input",
                   "output-perturbation": "output"}
 #: Client level: the delta release of each whole-adapter release.
 CLIENT_RELEASE = {"fedlora": "fedlora-delta", "ffa": "ffa-delta", "input": "input-delta", "output": "output-delta"}
