@@ -84,6 +84,7 @@ SCHEMA: dict[str, tuple[type, Callable[[Any], str | None] | None]] = {
     "task.synthetic-eval-size": (int, _min1),
     "task.cache-dir": (str, None),
     "task.train-rows": (str, None),
+    "task.validation-rows": (int, _nonneg),
     "model.name": (str, None),
     "model.target-modules": (str, None),
     "model.train-head": (bool, None),
@@ -252,5 +253,8 @@ def _cross_checks(v: dict[str, Any]) -> None:
         raise ConfigError("config key 'strategy.name' = 'fedsvd' is defined with DP-SGD on the silos "
                           "(dp.level = 'sample', dp.noise-at = 'silo') or without DP (dp.level = 'none'); "
                           "its server step adds no noise")
+    if v["task.validation-rows"] and v["task.train-rows"]:
+        raise ConfigError("config keys 'task.validation-rows' and 'task.train-rows' are exclusive (an audit lists "
+                          "its own train rows)")
     if v["task.name"] == "synthetic" and v["task.data-dir"]:
         raise ConfigError("config key 'task.data-dir' is set but task.name = 'synthetic' (choose a GLUE task)")

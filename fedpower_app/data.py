@@ -30,11 +30,39 @@ def load_task(cfg: RunConfig) -> TaskData:
     return _load_task_cached(
         cfg["task.name"], cfg["task.data-dir"], cfg["task.max-train"], cfg["task.max-eval"],
         cfg["task.synthetic-train-size"], cfg["task.synthetic-eval-size"], cfg["seed"], cfg["task.train-rows"],
+        cfg["task.validation-rows"],
     )
 
 
+#: The seed of the validation rows carved from the train split (``task.validation-rows``): fixed, not
+#: the run seed, so every tuning run of every method and seed is scored on the same rows.
+VALIDATION_SEED = 0x7A11D
+VALIDATION_SPLIT = "validation-from-train"
+
+
+def carve_validation(task: TaskData, rows: int) -> TaskData:
+    """The task with ``rows`` train examples moved to a validation split of their own, placed first
+    among the evaluation splits (it drives the per-round accuracy). Settings are chosen on it,
+    never on the dev split that the result tables report (docs/privacy.md, "Tuning")."""
+    n = len(task.train)
+    if not 0 < rows < n:
+        raise ValueError(f"task.validation-rows = {rows} must be in 1..{n - 1} (the train split has {n} rows)")
+    import numpy as np
+
+    perm = np.random.default_rng(VALIDATION_SEED).permutation(n)
+    held, kept = sorted(perm[:rows].tolist()), sorted(perm[rows:].tolist())
+    return dataclasses.replace(task, train=task.train.select(kept),
+                               eval_splits={VALIDATION_SPLIT: task.train.select(held), **task.eval_splits})
+
+
 @lru_cache(maxsize=4)
-def _load_task_cached(name, data_dir, max_train, max_eval, syn_train, syn_eval, seed, train_rows="") -> TaskData:
+def _load_task_cached(name, data_dir, max_train, max_eval, syn_train, syn_eval, seed, train_rows="",
+                      validation_rows=0) -> TaskData:
+    task = _load_source(name, data_dir, max_train, max_eval, syn_train, syn_eval, seed, train_rows)
+    return carve_validation(task, validation_rows) if validation_rows else task
+
+
+def _load_source(name, data_dir, max_train, max_eval, syn_train, syn_eval, seed, train_rows="") -> TaskData:
     if name == "synthetic":
         from .synthetic import load_synthetic
 
@@ -291,6 +319,8 @@ def client_shard(cfg: RunConfig, tokenizer, partition_id: int, num_partitions: i
            "seed": cfg["seed"], "max_len": cfg["task.max-length"], "data": cfg["task.data-dir"],
            "max_train": cfg["task.max-train"], "syn": cfg["task.synthetic-train-size"],
            "rows": _file_digest(cfg["task.train-rows"])}
+    if cfg["task.validation-rows"]:  # (keys without it stay those of earlier caches)
+        key["validation_rows"] = cfg["task.validation-rows"]
     if alpha:  # (IID shards keep their old cache keys)
         key["dirichlet_alpha"] = alpha
     return tokenized_cached(task.train.select(idx), tokenizer, cfg["task.max-length"], cache_dir(cfg), key)
@@ -303,5 +333,8 @@ def eval_splits(cfg: RunConfig, tokenizer) -> dict[str, TokenizedSplit]:
     for name, examples in task.eval_splits.items():
         key = {"task": task.name, "split": name, "seed": cfg["seed"], "max_len": cfg["task.max-length"],
                "data": cfg["task.data-dir"], "max_eval": cfg["task.max-eval"], "syn": cfg["task.synthetic-eval-size"]}
+        if name == VALIDATION_SPLIT:
+            key.update(validation_rows=cfg["task.validation-rows"], max_train=cfg["task.max-train"],
+                       syn_train=cfg["task.synthetic-train-size"])
         out[name] = tokenized_cached(examples, tokenizer, cfg["task.max-length"], cache_dir(cfg), key)
     return out

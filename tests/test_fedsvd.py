@@ -64,3 +64,23 @@ def test_fedsvd_trains_through_the_real_apps_with_dp_sgd(tmp_path):
     saved = load_file(str(run_dir / "adapter" / "adapter_model.safetensors"))
     a = [v for k, v in saved.items() if k.endswith("lora_A.weight")]
     assert a and all(torch.allclose(x @ x.T, torch.eye(x.shape[0]), atol=1e-4) for x in a)
+
+
+def test_validation_rows_are_carved_from_train_and_evaluated_first(tmp_path):
+    from fedpower_app import data as D
+
+    base = {"task.synthetic-train-size": 300, "task.synthetic-eval-size": 50}
+    whole = D.load_task(parse_config(base))
+    cfg = parse_config({**base, "task.validation-rows": 40})
+    task = D.load_task(cfg)
+    assert list(task.eval_splits)[0] == D.VALIDATION_SPLIT and len(task.eval_splits[D.VALIDATION_SPLIT]) == 40
+    assert len(task.train) == 260 and len(task.eval_splits["validation"]) == 50
+    held = set(zip(task.eval_splits[D.VALIDATION_SPLIT].text_a, task.eval_splits[D.VALIDATION_SPLIT].labels))
+    kept = set(zip(task.train.text_a, task.train.labels))
+    assert not held & kept and held | kept <= set(zip(whole.train.text_a, whole.train.labels))
+    # the same rows whatever the run seed (every tuning run is scored on the same rows)
+    other = D.load_task(parse_config({**base, "task.validation-rows": 40, "seed": 5}))
+    assert other.eval_splits[D.VALIDATION_SPLIT].text_a == task.eval_splits[D.VALIDATION_SPLIT].text_a or \
+        whole.train.text_a != D.load_task(parse_config({**base, "seed": 5})).train.text_a
+    with pytest.raises(ConfigError, match="exclusive"):
+        parse_config({"task.validation-rows": 5, "task.train-rows": "x.json"})
