@@ -33,7 +33,7 @@ def main(argv=None) -> int:
 
     import torch
 
-    from fedpower_app.config import ConfigError, load_preset, parse_config
+    from fedpower_app.config import ConfigError, load_preset, parse_config, with_method_preset
     from fedpower_app.inprocess_run import final_line, run_inprocess
     from fedpower_app.launcher import parse_set
     from fedpower_app.logging_setup import setup_logging
@@ -45,6 +45,9 @@ def main(argv=None) -> int:
         overrides["task.data-dir"] = a.data_dir
     try:
         overrides.update(parse_set(a.set))
+        overrides, from_method, _path = with_method_preset(overrides)  # as fedpower-run
+        if from_method:
+            print(f"inprocess_run: method preset: {from_method}", file=sys.stderr)
         overrides.update({"output-dir": a.out, "run-name": a.name})
         parse_config(overrides)  # fails here, before any training, on a bad key or value
     except ConfigError as exc:

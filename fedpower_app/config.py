@@ -181,6 +181,30 @@ class RunConfig:
         return [m.strip() for m in raw.split(",") if m.strip()]
 
 
+METHOD_PRESETS = PROJECT_ROOT / "conf" / "methods"
+
+
+def method_preset_path(method: str) -> Path:
+    """``conf/methods/<method>.toml``: the settings a method was tuned at (issue #32)."""
+    return METHOD_PRESETS / f"{method}.toml"
+
+
+def with_method_preset(overrides: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], Path | None]:
+    """The run's overrides completed with its method's tuned settings.
+
+    The method is ``strategy.name`` of ``overrides`` (the default's otherwise). Every key of
+    ``conf/methods/<method>.toml`` that the overrides (a preset, ``--set``) do not set is added: an
+    explicit choice always wins. Returns (overrides, the keys the method preset supplied, its path
+    or None when the method has none)."""
+    method = overrides.get("strategy.name", pyproject_defaults().get("strategy.name"))
+    path = method_preset_path(str(method))
+    if not path.exists():
+        return dict(overrides), {}, None
+    preset = load_preset(path)
+    applied = {k: v for k, v in preset.items() if k not in overrides}
+    return {**applied, **overrides}, applied, path
+
+
 def parse_config(run_config: dict[str, Any], *, defaults: dict[str, Any] | None = None) -> RunConfig:
     """Validate a flat run config (Flower's ``context.run_config``) against the schema.
 

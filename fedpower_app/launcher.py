@@ -87,7 +87,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
-from .config import PROJECT_ROOT, ConfigError, RunConfig, SCHEMA, load_preset, validate_overrides
+from .config import PROJECT_ROOT, ConfigError, RunConfig, SCHEMA, load_preset, validate_overrides, with_method_preset
 
 OFFLINE_ENV = {
     "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",  # no `uv sync` of torch per run (offline, fast)
@@ -912,6 +912,14 @@ def _stream(cmd: list[str], env: dict[str, str], *, echo: bool, verbose: bool, t
 # CLI
 # ------------------------------------------------------------------------------------------------
 
+def _shown_path(path: Path) -> str:
+    """A project file relative to the project (as the README names it), any other path in full."""
+    try:
+        return str(Path(path).resolve().relative_to(PROJECT_ROOT))
+    except ValueError:
+        return str(path)
+
+
 def parse_set(items) -> dict[str, Any]:
     """``--set key=value`` items as a dict; values are TOML, a bare word is taken as a string."""
     import tomllib
@@ -1085,6 +1093,13 @@ def main(argv: list[str] | None = None) -> int:
         overrides = {**(load_preset(args.preset) if args.preset else {}), **parse_set(args.set)}
         if args.resume:
             overrides = {**resume_overrides(args.resume), **overrides}
+        else:  # the method's tuned settings, where neither the preset nor --set chose (issue #32)
+            overrides, from_method, method_path = with_method_preset(overrides)
+            if from_method:
+                print(f"fedpower-run: {overrides.get('strategy.name')} runs at its method preset "
+                      f"{_shown_path(method_path)}: "
+                      + ", ".join(f"{k}={v!r}" for k, v in from_method.items()) + " (a --set of a key wins)",
+                      flush=True)
         check_launch(overrides, app_dir=args.app, num_supernodes=args.supernodes,
                      cpus_per_client=args.cpus_per_client, gpus_per_client=args.gpus_per_client,
                      flwr_home=args.flwr_home)

@@ -38,7 +38,7 @@ from typing import Any, Optional, Sequence
 
 from fedpower_app import accounting as acc  # before anything imports torch: fast opacus path
 from fedpower_app import launcher
-from fedpower_app.config import ConfigError, RunConfig, load_preset, parse_config
+from fedpower_app.config import ConfigError, RunConfig, load_preset, parse_config, with_method_preset
 
 #: Silos of the default run: ``fedpower-run``'s default ``--supernodes``.
 DEFAULT_SUPERNODES: int = inspect.signature(launcher.run_flwr).parameters["num_supernodes"].default
@@ -139,6 +139,8 @@ def run_overrides(args) -> tuple[dict[str, Any], dict[str, str]]:
                               f"{_flag(dest)} ({value!r})")
         overrides[key] = value
         origin[key] = _flag(dest)
+    overrides, from_method, path = with_method_preset(overrides)  # as fedpower-run: explicit keys win
+    origin.update({k: f"method preset {path.name}" for k in from_method})
     return overrides, origin
 
 
