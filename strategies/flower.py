@@ -25,15 +25,7 @@ from flwr.serverapp.strategy import Result, Strategy
 
 from .aggregation import AdapterUpdate, group_modules
 from .noise import NoiseSource
-from .releases import (
-    Release,
-    ReleaseContext,
-    fedlora_release,
-    fedpower_release,
-    ffa_release,
-    input_perturbation_release,
-    output_perturbation_release,
-)
+from .releases import ReleaseContext
 from .privacy_contract import BudgetExhausted, Disclosure, NoPrivacy, PrivacyHook  # noqa: F401 (re-exported)
 from . import mechanisms as MECH
 from .validation import InvalidReply, check_declared_arrays, validate_tensors
@@ -116,7 +108,6 @@ class LoRAStrategy(Strategy):
         device: str | torch.device = "cpu",
         eval_fraction: float = 0.0,
         population: list[int] | None = None,
-        min_nodes: int = 1,
         client_level: bool = False,
         refactorization: str = "powerdp-l",
         denominator: float | None = None,
@@ -139,7 +130,6 @@ class LoRAStrategy(Strategy):
         if population and len(set(population)) != len(population):
             raise ValueError("population lists a node more than once")
         self.population = list(population) if population else None
-        self.min_nodes = min_nodes
         # Client level (strategies/client_delta.py): releases of each silo's round delta, averaged
         # over the fixed expected cohort m = q_c N; FedPower refactorizes with PowerDP-L (or the
         # paper's PowerDP on the delta, an ablation).
@@ -209,10 +199,6 @@ class LoRAStrategy(Strategy):
             # most one clipped update and never the noise. The others normalise and ignore it.
             return MECH.ReleaseArgs(denominator=self.denominator or getattr(self.privacy, "fixed_denominator", None))
         return MECH.ReleaseArgs()
-
-    def release(self, round_type: str, updates: list[AdapterUpdate], stds: list[float], gen) -> Release:
-        """The round's release alone (no ledger, global unchanged): the mechanism's own function."""
-        return MECH.get(round_type).release(updates, self.ctx, stds, gen, self._release_args())
 
     # -- Flower Strategy API -----------------------------------------------------------------
     def summary(self) -> None:
@@ -334,9 +320,6 @@ class LoRAStrategy(Strategy):
         if report.train_loss is not None:
             metrics["train-loss"] = report.train_loss
         return _state_to_record(self.global_state), MetricRecord(metrics)
-
-    def _apply(self, release: Release) -> None:
-        MECH.apply_release(self.global_state, release)
 
     def _finish_round(self, report: RoundReport) -> None:
         report.epsilon = self.privacy.epsilon()

@@ -9,7 +9,7 @@ from strategies.fedsvd import svd_refactorize
 from strategies.flower import FedSVDStrategy, build_strategy, trained_lora_factors
 from strategies.noise import NoiseSource
 
-from .test_strategies import M_NAMES, fake_client, initial_state, m, n, r, run
+from .test_strategies import M_NAMES, fake_client, initial_state, r, run
 
 
 def test_svd_refactorize_is_the_exact_factored_svd():

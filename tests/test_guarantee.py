@@ -8,9 +8,7 @@ server's noise depended on how many replies arrived, and the audit's canaries we
 
 import json
 import logging
-import math
 
-import numpy as np
 import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
