@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from functools import lru_cache
 from pathlib import Path
@@ -28,6 +27,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, 
 from flwr.clientapp import ClientApp
 
 from fedpower_app import data as D
+from fedpower_app.atomic import write_atomic
 from fedpower_app import model as M
 from fedpower_app.config import RunConfig, parse_config
 from fedpower_app.dp_sgd import DPSGDParams, dp_sgd_train_local
@@ -152,13 +152,7 @@ def _save_ledger(context: Context, ledger: SiloLedger, paid: list) -> None:
     context.state[LEDGER_KEY] = ConfigRecord({"state": state})
     path = _ledger_file(context)
     if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-        with open(tmp, "w") as fh:
-            fh.write(state)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
+        write_atomic(path, state)
 
 
 def _release_key(cfg: RunConfig, server_round: int) -> str | None:

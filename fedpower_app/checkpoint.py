@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 
+from .atomic import write_atomic
+
 FORMAT = "fedpower-checkpoint/1"
 CHECKPOINT_FILE = "checkpoint.pt"
 INFLIGHT_FILE = "inflight.json"
@@ -79,14 +81,7 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _write_atomic(path: Path, data: bytes, *, fault: tuple[str, int] | None = None) -> None:
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    if fault:
-        fault_point(*fault)
-    os.replace(tmp, path)
+    write_atomic(path, data, before_replace=(lambda: fault_point(*fault)) if fault else None)
     _fsync_dir(path.parent)
 
 

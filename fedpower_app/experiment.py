@@ -81,6 +81,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+from .atomic import write_json_atomic
 from .config import PROJECT_ROOT, STRATEGIES, TASKS, ConfigError, load_preset, parse_config
 
 FINISHED = ("completed", "stopped-budget")
@@ -638,10 +639,7 @@ def code_version(root: Path = PROJECT_ROOT) -> dict[str, Any]:
 
 
 def _write_json(path: Path, payload: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(payload, indent=2, default=str) + "\n")
-    os.replace(tmp, path)
+    write_json_atomic(path, payload, indent=2)
 
 
 class Manifest:

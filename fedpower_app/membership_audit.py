@@ -50,6 +50,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from .atomic import write_json_atomic
 from .config import PROJECT_ROOT, ConfigError, load_preset, parse_config
 
 FORMAT = "fedpower-audit/1"
@@ -189,10 +190,7 @@ def make_plan(overrides: dict[str, Any], *, runs: int, pool: int, population: in
 
 
 def _write_json(path: Path, payload: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(payload, indent=1, default=str) + "\n")
-    os.replace(tmp, path)
+    write_json_atomic(path, payload, indent=1)
 
 
 def load_plan(out: Path) -> AuditPlan | None:

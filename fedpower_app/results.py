@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import platform
 import time
 from pathlib import Path
 from typing import Any
+
+from .atomic import write_atomic
 
 
 def _clean(value: Any) -> Any:
@@ -26,12 +27,8 @@ def _clean(value: Any) -> Any:
 
 
 def write_json_atomic(path: Path, payload: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + f".tmp{os.getpid()}")
-    with open(tmp, "w") as fh:
-        json.dump(_clean(payload), fh, indent=2, sort_keys=False)
-        fh.write("\n")
-    os.replace(tmp, path)
+    """results.json: strict JSON (NaN/inf as null), written atomically (fedpower_app.atomic)."""
+    write_atomic(path, json.dumps(_clean(payload), indent=2, sort_keys=False) + "\n")
 
 
 class ResultsWriter:
