@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
+from strategies.privacy_contract import sample_rate
+
 from .data import TokenizedSplit
 from .model import is_head_parameter
 from .training import (PHYSICAL_BATCH_SIZE, TrainStats, _autocast, _seeded_dropout, batch_indices, local_optimizer,
@@ -58,7 +60,7 @@ class DPSGDParams:
         return clipped_sensitivity(self.clip, self.head_clip)
 
     def sample_rate(self, num_examples: int) -> float:
-        return min(1.0, self.batch_size / num_examples)
+        return sample_rate(self.batch_size, num_examples)
 
     def problems(self) -> list[str]:
         """What makes these parameters unusable (empty if none)."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from strategies.privacy_contract import BudgetExhausted, NoPrivacy, ServerSideDefaults
+from strategies.privacy_contract import BudgetExhausted, NoPrivacy, ServerSideDefaults, sample_rate
 
 from . import accounting as A
 from .config import RunConfig
@@ -206,7 +206,7 @@ class SiloDPSGD:
         self.head_clip = cfg["dp.head-clip"] if cfg["model.train-head"] else 0.0
         self.silos = list(client_sizes)  # population order: silo i is self.silos[i]
         self.sizes = dict(client_sizes)
-        self.rates = {node: min(1.0, self.batch_size / n) for node, n in client_sizes.items()}
+        self.rates = {node: sample_rate(self.batch_size, n) for node, n in client_sizes.items()}
         planned_steps = self.local_steps * self.num_rounds
         if cfg["dp.noise-multiplier"] > 0:
             self.source, self.sigma = "noise-multiplier", float(cfg["dp.noise-multiplier"])

@@ -19,6 +19,8 @@ from typing import NamedTuple
 
 import torch
 
+from strategies.privacy_contract import sample_rate
+
 from .data import TokenizedSplit
 
 
@@ -37,7 +39,7 @@ def batch_indices(n: int, batch_size: int, steps: int, generator: torch.Generato
     if n <= 0:
         raise ValueError("cannot train on an empty shard")
     if poisson:
-        q = min(1.0, batch_size / max(n, rate_size or 0))
+        q = sample_rate(batch_size, max(n, rate_size or 0))
         return [torch.nonzero(torch.rand(n, generator=generator, dtype=torch.float64) < q).flatten() for _ in range(steps)]
     out, order, pos = [], torch.randperm(n, generator=generator), 0
     for _ in range(steps):

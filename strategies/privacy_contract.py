@@ -28,6 +28,15 @@ from dataclasses import dataclass
 from typing import Protocol
 
 
+def sample_rate(batch_size: int, n: float) -> float:
+    """q = min(1, b/n): the Poisson rate at which a silo of (declared) size n samples each example
+    for an expected batch of b. The one formula: the silo's sampler, its own ledger, the server's
+    ledgers and the planner all call it."""
+    if not n > 0:
+        raise ValueError(f"a sampling rate needs a positive size, got {n!r}")
+    return min(1.0, batch_size / n)
+
+
 class BudgetExhausted(RuntimeError):
     """The next release would exceed the privacy budget; nothing was released."""
 

@@ -33,6 +33,7 @@ from ._common import (
     _is_int,
     _norm_name,
 )
+from strategies.privacy_contract import sample_rate
 from strategies import mechanisms as MECH  # each mechanism's blocks, sensitivities and schedule: one home
 
 from .interface import RoundEvent
@@ -86,7 +87,7 @@ def sample_rate_pi(client_sizes: Sequence[int], batch_size: int, local_steps: in
             raise ValueError(f"client_sizes[{i}] must be a positive number, got {n!r}")
         if not (math.isfinite(nv) and nv > 0):
             raise ValueError(f"client_sizes[{i}] must be > 0, got {n!r}")
-        q_s = min(1.0, int(batch_size) / nv)
+        q_s = sample_rate(int(batch_size), nv)
         best = max(best, inclusion_probability(q_s, int(local_steps)))
     return best
 
@@ -355,7 +356,7 @@ class PrivacyPlan:
         """Largest per-step example sampling rate ``min(1, b/min n_i)`` (sample level)."""
         if self.level != "sample":
             return None
-        return min(1.0, self.batch_size / min(self.client_sizes))
+        return sample_rate(self.batch_size, min(self.client_sizes))
 
     @property
     def schedule(self) -> list:
