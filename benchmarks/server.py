@@ -94,7 +94,8 @@ def gen(device, seed: int = 1234):
 
 def case_fns(ups, groups, shape: Shape, device) -> dict:
     """Callables of every server release variant on the same inputs and generator seed."""
-    from strategies import dense_clipped_average, fedlora_release, fedpower_release, powerdp
+    from strategies import dense_clipped_average, fedlora_release, fedpower_release
+    from strategies.powerdp import powerdp
 
     ctx_f = make_ctx(groups, shape, factored=True, device=device)
     ctx_d = make_ctx(groups, shape, factored=False, device=device)

@@ -20,9 +20,26 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from . import client_delta as CD
-from . import fedsvd as SVD
-from . import releases as R
+import importlib
+
+
+class _Lazy:
+    """A module of release math, imported at its first use: the mechanisms' metadata (names,
+    sensitivities, schedule) stays importable without torch, so the accounting package that reads
+    it imports no torch (fedpower_app/accounting/__init__.py)."""
+
+    def __init__(self, name: str) -> None:
+        self._name, self._module = name, None
+
+    def __getattr__(self, attr: str):
+        if self._module is None:
+            self._module = importlib.import_module(self._name, __package__)
+        return getattr(self._module, attr)
+
+
+CD = _Lazy(".client_delta")
+SVD = _Lazy(".fedsvd")
+R = _Lazy(".releases")
 
 
 @dataclass(frozen=True)

@@ -536,3 +536,13 @@ def test_pld_epsilon_overflow_fallback():
             return math.exp(-(eps - 700.0)) * 1e-5 if eps > 700.0 else 1.0
 
     assert A.pld_epsilon(FakePLD(), 1e-5) == pytest.approx(700.0, rel=1e-8)
+
+
+def test_the_accounting_package_imports_no_torch():
+    """Its docstring says so (issue #33): the planner and the accountants load without torch."""
+    import subprocess
+    import sys
+
+    code = "import sys, fedpower_app.accounting, strategies.mechanisms; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "False"

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from strategies.aggregation import CLIP_MARGIN
+from strategies.powerdp import powerdp
 from strategies import (
     AdapterUpdate,
     NoiseSource,
@@ -19,7 +20,6 @@ from strategies import (
     orthonormalize_rows,
     output_perturbation,
     power_iteration,
-    powerdp,
     product_sq_norms,
     weighted_factor_stack,
 )
