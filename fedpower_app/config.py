@@ -1,7 +1,7 @@
 """The run configuration: one typed, validated view of Flower's flat run config.
 
 Defaults live in ``pyproject.toml`` (``[tool.flwr.app.config]``), presets in ``conf/*.toml``,
-and each key is documented once, in the README's configuration table. This module only knows
+and each key is documented once, in docs/configuration.md (checked by tests/test_config.py). This module only knows
 each key's type and valid values, so a bad value fails at start with a message naming the key.
 """
 

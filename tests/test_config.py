@@ -36,7 +36,7 @@ def test_cross_checks():
 
 
 def test_every_key_documented_once_in_readme():
-    readme = (PROJECT_ROOT / "README.md").read_text()
+    readme = (PROJECT_ROOT / "docs" / "configuration.md").read_text()  # the one page that documents keys
     rows = re.findall(r"^\| `([a-z0-9.\-]+)` \|", readme, flags=re.M)
     documented = [r for r in rows if r in SCHEMA]
     assert sorted(documented) == sorted(SCHEMA), set(SCHEMA) ^ set(documented)

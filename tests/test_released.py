@@ -30,7 +30,7 @@ RELOAD = textwrap.dedent("""
     for run_dir in sys.argv[1:]:
         cfg = parse_config(json.load(open(run_dir + "/results.json"))["config"])
         meta = json.load(open(run_dir + "/adapter/fedpower.json"))
-        # 1. the README's plain-PEFT snippet
+        # 1. the plain-PEFT snippet of docs/using.md ("Loading the released model")
         base = AutoModelForSequenceClassification.from_pretrained(resolve_model_path(meta["base_model"]),
                                                                   num_labels=meta["num_labels"])
         plain = PeftModel.from_pretrained(base, run_dir + "/adapter").eval()
