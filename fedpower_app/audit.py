@@ -1,4 +1,4 @@
-"""Empirical privacy auditing helpers (spec §7): statistical LOWER bounds on epsilon.
+"""Empirical privacy auditing helpers (privacy-accounting spec §7): statistical LOWER bounds on epsilon.
 
 An audit runs a mechanism many times on two neighbouring inputs D' ("negatives", label 0) and
 D ("positives", label 1), reduces every output to one real score (e.g. the projection of the
@@ -302,7 +302,7 @@ def gaussian_delta(mu: float, eps: float) -> float:
 def gaussian_epsilon(mu: float, delta: float) -> float:
     """Smallest eps with ``gaussian_delta(mu, eps) <= delta``: the exact (eps, delta) of mu-GDP.
 
-    Equals ``dp_accounting.get_epsilon_gaussian(1/mu, delta)`` (spec §6.3: mu = 0.5 -> 1.99309,
+    Equals ``dp_accounting.get_epsilon_gaussian(1/mu, delta)`` (privacy-accounting spec §6.3: mu = 0.5 -> 1.99309,
     mu = 1 -> 4.37718, mu = 2 -> 9.99726 at delta = 1e-5).
     """
     mu, delta = float(mu), float(delta)

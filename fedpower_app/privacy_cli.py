@@ -301,7 +301,7 @@ def plan_privacy(args) -> dict[str, Any]:
 def noise_table(hook) -> dict[str, dict[str, Any]]:
     """Per round type: each released block's sensitivity and noise std, and the round's totals.
 
-    Delta is the L2 sensitivity of everything released in the round (spec 3.1), i.e.
+    Delta is the L2 sensitivity of everything released in the round (privacy-accounting spec §3.1), i.e.
     sqrt(sum_j Delta_j^2) of the blocks, and z = (sum_j (Delta_j/s_j)^2)^(-1/2) is the effective
     multiplier the accountant uses. When every block has the same std s (all methods in rigorous
     mode except output perturbation), s = z * Delta. Otherwise ``std`` is the single std that gives
@@ -411,7 +411,7 @@ def render(res: dict[str, Any], every: int, preset: Optional[str] = None) -> str
     else:
         what = {"rigorous": "calibrated", "fixed-z": "given by dp.noise-multiplier"}.get(cal.mode, cal.mode)
         L.append(f"effective noise multiplier z = {_fmt(cal.z)} ({what}; the same in every round)")
-    L.append("noise per round type: Delta = L2 sensitivity of everything released in the round (spec 3.1), "
+    L.append("noise per round type: Delta = L2 sensitivity of everything released in the round (privacy-accounting spec §3.1), "
              "std = noise std per entry, z = std/Delta")
     for rt, e in res["noise"].items():
         blocks = e["blocks"]

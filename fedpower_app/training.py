@@ -1,6 +1,6 @@
 """Local training and evaluation loops (plain torch, shared by clients, server and benchmarks).
 
-Batch sampling must match the accountant (spec §2.6):
+Batch sampling must match the accountant (privacy-accounting spec §2.6):
 
 * ``poisson=True`` (whenever ``dp.level = sample``): every step includes each example
   independently with probability q_s = b / n (Poisson sampling, as opacus'

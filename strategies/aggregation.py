@@ -5,7 +5,7 @@ dense extras such as a trainable classifier-head delta). It is clipped with ONE 
 over everything it contains, so the privacy sensitivities hold for the whole release.
 
 Norms are computed from the factors: ||B A||_F^2 = sum((B^T B) * (A A^T)), two r x r Gram
-matrices, in float64 (spec §8). The clipped average sum_i c_i B_i A_i / k is kept as stacked
+matrices, in float64 (privacy-accounting spec §8). The clipped average sum_i c_i B_i A_i / k is kept as stacked
 factors [c_1 B_1, ..., c_k B_k] / k and [A_1; ...; A_k] (rank <= k r), never as an m x n matrix.
 """
 
@@ -17,7 +17,7 @@ import torch
 
 # The accountant's sensitivities assume ||u_i|| <= C exactly and ||Q||_2 <= 1 for the orthonormal
 # projections. float32 rounding in the scaling and in QR (orthogonality error ~1e-6..1e-5 for
-# m ~ 1e3..1e4) could exceed that, so we clip to C / (1 + CLIP_MARGIN) (spec §3.1 "numerical
+# m ~ 1e3..1e4) could exceed that, so we clip to C / (1 + CLIP_MARGIN) (privacy-accounting spec §3.1 "numerical
 # safety"); the utility cost is negligible.
 CLIP_MARGIN = 1e-4
 

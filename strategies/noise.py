@@ -1,6 +1,6 @@
 """One pluggable, seedable source of every random draw that matters for privacy.
 
-Gaussian noise, client sampling and example sampling all come from here (spec §8):
+Gaussian noise, client sampling and example sampling all come from here (privacy-accounting spec §8):
 
 * ``seeded`` (default, research): every stream is a ``torch.Generator`` derived from
   ``(seed, stream name, round)``. Runs are reproducible and audits can replay them. Anyone who
@@ -68,7 +68,7 @@ class NoiseSource:
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
     ) -> torch.Tensor:
-        """N(0, std^2) noise of ``shape``; float32 or wider (never half precision, spec §8)."""
+        """N(0, std^2) noise of ``shape``; float32 or wider (never half precision, privacy-accounting spec §8)."""
         if dtype not in (torch.float32, torch.float64):
             raise ValueError(f"noise must be drawn in float32 or float64, got {dtype}")
         return gaussian(shape, std, generator, dtype=dtype, device=device, secure=self.hardened)

@@ -217,7 +217,7 @@ def _operator(W=None, factors=None):
 
 def _add_noise(X: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     """X + noise, written into ``noise``: the sampler's output is consumed (each draw is used
-    exactly once, spec §8), and a sampler must return a fresh tensor it does not keep. Adding into
+    exactly once, privacy-accounting spec §8), and a sampler must return a fresh tensor it does not keep. Adding into
     the fresh draw saves an allocation the size of the release."""
     if noise.shape != X.shape or not noise.is_contiguous():
         return (X + noise).contiguous()
@@ -296,7 +296,7 @@ def powerdp_l(
     generator: torch.Generator,
     sampler: GaussianSampler | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """PowerDP-L (privacy spec §3.2): a noisy power method warm-started from the previous round's
+    """PowerDP-L (privacy-accounting privacy-accounting spec §3.2): a noisy power method warm-started from the previous round's
     public A (``a_prev`` (M, r, n), rows orthonormalised here), noise inside every iteration::
 
         Q <- orth_rows(a_prev)

@@ -6,7 +6,7 @@ them from the target noise multiplier and the method's sensitivity. Noise is dra
 generator in a fixed order (module groups in sorted order, B before A, then extras), so two
 calls with the same generator state give the same release.
 
-Methods and their released blocks (spec §1):
+Methods and their released blocks (privacy-accounting spec §1):
 
 * ``fedpower_release``: u_i = clip_C({B_ij A_ij}_j, extra_i); W = mean_i u_i; PowerDP per module.
 * ``fedlora_release``: A-side (all A_ij) and B-side (all B_ij + extra_i) each clipped to C, averaged, noised.
@@ -14,7 +14,7 @@ Methods and their released blocks (spec §1):
 * ``input_perturbation_release``: W + N, then power iteration (post-processing).
 * ``output_perturbation_release``: power iteration on W, then noise on A and B.
 
-An empty round (no client) still releases noise around zero (spec §2.4).
+An empty round (no client) still releases noise around zero (privacy-accounting spec §2.4).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""PowerDP-L (privacy spec §3.2): the noisy power method warm-started from the previous public A.
+"""PowerDP-L (privacy-accounting privacy-accounting spec §3.2): the noisy power method warm-started from the previous public A.
 
 * zero noise: exactly the warm-started power iteration (dense reference written here);
 * factored input gives the dense result;

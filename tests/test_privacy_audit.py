@@ -1,4 +1,4 @@
-"""Privacy-audit test ladder (spec §7, levels 1-3) for the server releases.
+"""Privacy-audit test ladder (privacy-accounting spec §7, levels 1-3) for the server releases.
 
 1. Sensitivity property: on the NOISE-FREE release (float64), for every round type and level,
    every released block j moves by at most the accountant's Delta_j (``block_sensitivities``)
@@ -46,7 +46,7 @@ from strategies.releases import (
 F64 = torch.float64
 CLIP = 1.5  # not 1, so that a missing factor C shows up
 DELTA = 1e-5
-REL_TOL = 1e-6  # spec §7: ||release(D) - release(D')|| <= Delta (1 + 1e-6)
+REL_TOL = 1e-6  # privacy-accounting spec §7: ||release(D) - release(D')|| <= Delta (1 + 1e-6)
 C_EFF = CLIP / (1 + CLIP_MARGIN)  # the server clips to C/(1 + margin): attained bounds are C_EFF-based
 TIGHT = 1 - 1e-9
 
@@ -355,7 +355,7 @@ def test_sensitivity_adversarial(rt, level):
 
 @pytest.mark.parametrize("rt", ROUND_TYPES)
 def test_empty_round_releases_noise_around_zero(rt):
-    """An empty round still releases every block (spec §2.4): zero pre-noise, noise on top."""
+    """An empty round still releases every block (privacy-accounting spec §2.4): zero pre-noise, noise on top."""
     ctx = make_ctx(rt)
     pre = prenoise_blocks(rt, [], ctx, seed=3)
     if rt in ("powerdp", "fedlora", "ffa", "input"):
@@ -391,7 +391,7 @@ def test_powerdp_negative_control_paper_sensitivity():
     """The paper's Delta = C is violated, and the spec's diameter 2*sqrt(2)*C is attained.
 
     * U = C e1 e1^T vs -U (one client): ||dB~|| = 2C > C. (With this project's sign-canonical QR,
-      A_pre = P^T W is the same for U and -U; spec §2.1's ||dA|| = 2C is for raw LAPACK QR signs.)
+      A_pre = P^T W is the same for U and -U; privacy-accounting spec §2.1's ||dA|| = 2C is for raw LAPACK QR signs.)
     * "Sign straddle": W = C u v^T vs C u v'^T with v, v' on either side of the hyperplane
       orthogonal to the random start q0: ||dW|| ~ 2e-4 C but (B, A_pre) moves by 2*sqrt(2)*C.
     """
@@ -416,7 +416,7 @@ def test_powerdp_negative_control_paper_sensitivity():
 @pytest.mark.parametrize("rt", ["powerdp", "output"])
 def test_diameter_blocks_float32_within_tolerance(rt):
     """The diameter-based blocks rest on norm bounds (||B|| <= C, ||A_pre|| <= C, ||A_out|| =
-    sqrt(M r)). In float32 (the production dtype) QR is not exactly orthonormal; spec §3.1/§8 allow
+    sqrt(M r)). In float32 (the production dtype) QR is not exactly orthonormal; privacy-accounting spec §3.1/§8 allow
     the 1e-6 tolerance of this suite. Checked on clipped float32 releases (many modules)."""
     shapes = {f"m{j}": (24, 20, 4) for j in range(16)}
     groups = group_modules(shapes)
@@ -757,7 +757,7 @@ def log_lr_direction(t: np.ndarray, norm: float, std: float, dim: int) -> np.nda
 
 
 def simulate_straddle_pair(noise_std, trials=TRIALS, seed=0):
-    """Straddle pair for a FIXED random start q0 (the conditional mechanism, spec §2.1: the
+    """Straddle pair for a FIXED random start q0 (the conditional mechanism, privacy-accounting spec §2.1: the
     guarantee holds for every Q0): both B~ and A~ depend on the world. Exact log-likelihood-ratio
     score of the released (B~, A~): Gaussian part for B~, direction part for A~ = orth(A_pre + N)."""
     ctx = audit_ctx()

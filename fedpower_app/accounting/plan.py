@@ -156,7 +156,7 @@ def block_sensitivities(
     Client-level delta releases (``DELTA_ROUND_TYPES``) average clipped round deltas with the fixed
     ``denominator`` m = q_c N, so one client moves the average by at most C/m:
     ``powerdp-l`` releases 2 blocks (Y, X) per power iteration (``iters``), each C/m (adaptive
-    composition of 1-Lipschitz Gaussian releases, spec §3.2); ``fedlora-delta`` one block (the
+    composition of 1-Lipschitz Gaussian releases, privacy-accounting spec §3.2); ``fedlora-delta`` one block (the
     jointly clipped (dA, dB, head)), ``ffa-delta`` and ``input-delta`` one block, each C/m.
 
     ========== ============================== ==========================
