@@ -206,7 +206,7 @@ def _bare_setup(overrides: dict, device_name: str) -> dict:
         coins = noise.bernoulli(n, cfg["strategy.client-rate"], noise.generator("client-sampling", rnd))
         sampled = [pid for pid, c in enumerate(coins.tolist()) if c]
         round_type = MECH.round_type(method, rnd)
-        privacy.check(round_type, rnd)
+        plan = privacy.plan_round(rnd, round_type, sampled)  # the privacy layer's two calls, as the strategy
         t_tr = time.perf_counter()
         updates = []
         for pid in sampled:
@@ -222,8 +222,9 @@ def _bare_setup(overrides: dict, device_name: str) -> dict:
         train_s.append(time.perf_counter() - t_tr)
         t_agg = time.perf_counter()
         # the product's round step, the same call the strategy makes (no copy of it here)
-        MECH.release_round(round_type, updates, ctx=ctx, privacy=privacy, noise=noise, server_round=rnd,
-                           global_state=global_state, num_sampled=len(sampled))
+        MECH.release_round(round_type, updates, ctx=ctx, stds=plan.noise_stds, noise=noise, server_round=rnd,
+                           global_state=global_state)
+        privacy.commit_round(plan, len(updates), released=True)
         agg_s.append(time.perf_counter() - t_agg)
         t_ev = time.perf_counter()
         if rnd % cfg["eval.every"] == 0 or rnd == rounds:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from strategies.privacy_contract import BudgetExhausted, NoPrivacy, ServerSideDefaults, sample_rate
+from strategies.privacy_contract import BudgetExhausted, NoPrivacy, PlanAndCommit, ServerSideDefaults, sample_rate
 
 from . import accounting as A
 from .config import RunConfig
@@ -182,7 +182,7 @@ class AccountedPrivacy(ServerSideDefaults):
         }
 
 
-class SiloDPSGD:
+class SiloDPSGD(PlanAndCommit):
     """Sample-level DP by DP-SGD on the silos (``dp.noise-at = silo``): the server adds no noise.
 
     σ is calibrated at start so that a silo that trains in *every* one of the T planned rounds

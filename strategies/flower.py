@@ -26,7 +26,7 @@ from flwr.serverapp.strategy import Result, Strategy
 from .aggregation import AdapterUpdate, group_modules
 from .noise import NoiseSource
 from .releases import ReleaseContext
-from .privacy_contract import BudgetExhausted, Disclosure, NoPrivacy, PrivacyHook  # noqa: F401 (re-exported)
+from .privacy_contract import BudgetExhausted, Disclosure, NoPrivacy, PrivacyHook, RoundPlan  # noqa: F401 (re-exported)
 from . import mechanisms as MECH
 from .validation import InvalidReply, check_declared_arrays, validate_tensors
 
@@ -166,6 +166,7 @@ class LoRAStrategy(Strategy):
             device=device,
         )
         self._sampled: list[int] = []
+        self._plan: RoundPlan | None = None  # the privacy layer's plan of the current round
         self.reports: list[RoundReport] = []
         self.stopped_reason: str | None = None
 
@@ -217,18 +218,25 @@ class LoRAStrategy(Strategy):
         coins = self.noise.bernoulli(len(nodes), self.client_rate, gen)
         return [n for n, c in zip(nodes, coins.tolist()) if c]
 
+    def plan_round(self, server_round: int, grid: Grid) -> RoundPlan:
+        """Sample the round's silos and ask the privacy layer for the round's plan (the first of
+        its two calls a round). Raises ``BudgetExhausted`` if the round must not start."""
+        sampled = self.sample_clients(server_round, self._nodes(grid))
+        self._plan = self.privacy.plan_round(server_round, self.round_type(server_round), sampled)
+        return self._plan
+
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
-        nodes = self._nodes(grid)
-        sampled = self.sample_clients(server_round, nodes)
+        plan = getattr(self, "_plan", None)
+        if plan is None or plan.server_round != server_round:
+            plan = self.plan_round(server_round, grid)
         # DP-SGD on the silos: a silo whose ledger would cross the budget is never sent the round.
-        self._sampled = self.privacy.admit(sampled, server_round)
-        self._over_budget = len(sampled) - len(self._sampled)
+        self._sampled = list(plan.admitted)
+        self._over_budget = plan.over_budget
         config["server-round"] = server_round
-        config["round-type"] = self.round_type(server_round)
+        config["round-type"] = plan.round_type
         config["train-lora"] = "AB" if self.replies_a else "B"  # what the silo trains and sends back
-        for key, value in self.privacy.train_config().items():
+        for key, value in plan.train_config.items():
             config[key] = value
-        self.privacy.record_sent(self._sampled, server_round)
         content = RecordDict({"arrays": arrays, "config": config})
         self._bytes_down = arrays.count_bytes() * len(self._sampled)
         return [Message(content=content, dst_node_id=n, message_type=MessageType.TRAIN) for n in self._sampled]
@@ -296,22 +304,25 @@ class LoRAStrategy(Strategy):
                         len(report.missing), report.missing)
         report.train_loss = sum(losses) / len(losses) if losses and self.disclosure.full else None
 
+        plan = self._plan
         if not updates and self.privacy.noise_at != "server":
             # Nobody to aggregate and no server noise to release (non-private, or DP-SGD on the
-            # silos where only the silos' replies touch data): keep the global model.
+            # silos where only the silos' replies touch data): keep the global model. The silos
+            # sent the round are charged all the same (the second call to the privacy layer).
             report.released = False
+            self.privacy.commit_round(plan, 0, released=False)
             self._finish_round(report)
             return None, None
 
         t0 = time.perf_counter()
-        # The round step (strategies.mechanisms.release_round): stds, the mechanism's release, the
-        # new global adapters, and the ledger entry (a release counts even if silos dropped out).
-        release, stds = MECH.release_round(report.round_type, updates, ctx=self.ctx, privacy=self.privacy,
-                                           noise=self.noise, server_round=server_round,
-                                           global_state=self.global_state, num_sampled=len(self._sampled),
-                                           extra=self._release_args())
+        # The round step (strategies.mechanisms.release_round) at the planned stds, then the
+        # commit: the silos sent the round and the release (it counts even if silos dropped out).
+        release = MECH.release_round(report.round_type, updates, ctx=self.ctx, stds=plan.noise_stds,
+                                     noise=self.noise, server_round=server_round,
+                                     global_state=self.global_state, extra=self._release_args())
+        self.privacy.commit_round(plan, len(updates), released=True)
         report.aggregation_seconds = time.perf_counter() - t0
-        report.noise_stds = [float(s) for s in stds]
+        report.noise_stds = [float(s) for s in plan.noise_stds]
         if release.update_norms and self.disclosure.full:  # pre-clip norms: unbounded sensitivity
             report.update_norm_mean = sum(release.update_norms) / len(release.update_norms)
             report.clipped_fraction = sum(s < 1.0 for s in release.clip_scales) / len(release.clip_scales)
@@ -395,7 +406,7 @@ class LoRAStrategy(Strategy):
             if before_round is not None and server_round > 1:
                 before_round(server_round)  # e.g. a silo whose SuperNode restarted rejoins
             try:
-                self.privacy.check(self.round_type(server_round), server_round)
+                self.plan_round(server_round, grid)  # the privacy layer's plan: may refuse the round
             except BudgetExhausted as exc:
                 self.stopped_reason = str(exc)
                 log.warning("stopping before round %d: %s", server_round, exc)

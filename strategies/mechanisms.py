@@ -235,15 +235,12 @@ def apply_release(global_state: dict, release) -> None:
         global_state[key] = global_state[key] + delta.detach().to("cpu", torch.float32)
 
 
-def release_round(round_type: str, updates: list, *, ctx, privacy, noise, server_round: int, global_state: dict,
-                  num_sampled: int, extra: ReleaseArgs | None = None):
-    """One round's release: the privacy layer's noise stds for this round type and k, the
-    mechanism's release drawn from the round's generator, applied to ``global_state``, and the
-    release recorded in the ledger (it always counts, even if sampled silos dropped out).
-    Returns (release, stds)."""
-    stds = privacy.noise_stds(round_type, len(updates))
+def release_round(round_type: str, updates: list, *, ctx, stds, noise, server_round: int, global_state: dict,
+                  extra: ReleaseArgs | None = None):
+    """One round's release: the mechanism's release at the planned noise ``stds`` (the privacy
+    layer's ``RoundPlan.noise_stds``), drawn from the round's generator, applied to
+    ``global_state``. The strategy then commits the round to the privacy layer. Returns the release."""
     gen = noise.generator("release", server_round, device=ctx.device)
-    release = get(round_type).release(updates, ctx, stds, gen, extra or ReleaseArgs())
+    release = get(round_type).release(updates, ctx, list(stds), gen, extra or ReleaseArgs())
     apply_release(global_state, release)
-    privacy.record(round_type, server_round, num_sampled, len(updates))
-    return release, stds
+    return release

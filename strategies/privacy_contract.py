@@ -1,6 +1,8 @@
 """The privacy contract between a strategy and the run's privacy layer (no Flower, no accountant).
 
-A strategy asks its ``PrivacyHook``, round by round:
+A strategy talks to its privacy layer twice a round (``PlanAndCommit``): ``plan_round`` before
+any message leaves, ``commit_round`` once the round's release is made. Both are built on the
+hook's primitives, round by round:
 
 * ``admit(nodes, round)``: which of the sampled silos may train this round. A silo whose own
   ledger would cross the budget is never sent the round (DP-SGD on the silos).
@@ -44,6 +46,10 @@ class BudgetExhausted(RuntimeError):
 class PrivacyHook(Protocol):
     noise_at: str | None
 
+    # what a strategy calls (PlanAndCommit builds them on the primitives below)
+    def plan_round(self, server_round: int, round_type: str, sampled: list) -> "RoundPlan": ...
+    def commit_round(self, plan: "RoundPlan", num_aggregated: int, released: bool) -> None: ...
+
     def admit(self, nodes: list[int], server_round: int) -> list[int]: ...
     def train_config(self) -> dict: ...
     def record_sent(self, nodes: list[int], server_round: int) -> None: ...
@@ -61,7 +67,45 @@ class PrivacyHook(Protocol):
     def enabled(self) -> bool: ...
 
 
-class ServerSideDefaults:
+@dataclass(frozen=True)
+class RoundPlan:
+    """What the privacy layer decided for a round before any message leaves: the silos that may
+    train (a silo whose ledger would cross its budget is never sent the round), the DP parameters
+    every train message carries, and the server's noise std per released block (fixed before any
+    reply: it never depends on who answered)."""
+
+    server_round: int
+    round_type: str
+    admitted: tuple
+    over_budget: int
+    train_config: dict
+    noise_stds: tuple
+
+
+class PlanAndCommit:
+    """The two calls a strategy makes to its privacy layer each round, built on a hook's primitives:
+
+    * ``plan_round(round, round_type, sampled)``: raises ``BudgetExhausted`` if the round must not
+      start; otherwise the round's :class:`RoundPlan`;
+    * ``commit_round(plan, num_aggregated, released)``: what happened. The admitted silos are
+      charged (they were sent the round: their data was used, whatever came back), and a server
+      release is recorded when there was one (it always counts, even if silos dropped out).
+    """
+
+    def plan_round(self, server_round: int, round_type: str, sampled: list) -> RoundPlan:
+        self.check(round_type, server_round)
+        admitted = self.admit(list(sampled), server_round)
+        return RoundPlan(server_round=server_round, round_type=round_type, admitted=tuple(admitted),
+                         over_budget=len(sampled) - len(admitted), train_config=dict(self.train_config()),
+                         noise_stds=tuple(float(s) for s in self.noise_stds(round_type, len(admitted))))
+
+    def commit_round(self, plan: RoundPlan, num_aggregated: int, released: bool) -> None:
+        self.record_sent(list(plan.admitted), plan.server_round)
+        if released:
+            self.record(plan.round_type, plan.server_round, len(plan.admitted), num_aggregated)
+
+
+class ServerSideDefaults(PlanAndCommit):
     """Silo-side parts of the contract for hooks whose noise is not added on the silos."""
 
     def admit(self, nodes: list[int], server_round: int) -> list[int]:
