@@ -14,24 +14,11 @@ from typing import Any, Callable
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
-STRATEGIES = ("fedpower", "fedlora", "ffa-lora", "fedsvd", "input-perturbation", "output-perturbation")
-DP_LEVELS = ("none", "sample", "client")
-TASKS = ("synthetic", "sst2", "qnli", "mnli", "qqp")
-DEVICES = ("auto", "cpu", "cuda")
-# Where sample-level noise is added: DP-SGD on every silo, or the paper's server-side noise on
-# each silo's whole clipped adapter (a reproduction of the paper).
-LR_SCHEDULES = ("constant", "cosine")
-LOCAL_OPTIMIZERS = ("adam", "sgd")
-NOISE_AT = ("silo", "server")
-# Where every noise draw and sampling coin comes from: "hardened" (secrets no output holds: the
-# default, a valid guarantee) or "seeded" (reproducible from the run seed: not a guarantee against
-# whoever holds the seed). strategies.noise.NOISE_MODES is the same list (config imports no torch).
-NOISE_MODES = ("hardened", "seeded")
-# Per-round diagnostics of a private run that the guarantee does not cover (pre-clip update norms,
-# clipped fraction, train loss, per-reply counts, node ids and reasons): "off" withholds them from
-# results.json, the console and the logs, and silos send no training metrics; "released" shows
-# them and marks the run "diagnostics released, not covered" (docs/privacy.md, "What is covered").
-DIAGNOSTICS = ("off", "released")
+# Every choice list lives in fedpower_app.choices (one home); re-exported here for the callers.
+from .choices import (  # noqa: E402
+    ACCOUNTANTS, CALIBRATIONS, CLIENT_REFACTORIZATIONS, DEVICES, DIAGNOSTICS, DP_LEVELS, LOCAL_OPTIMIZERS,
+    LR_SCHEDULES, NOISE_AT, NOISE_MODES, SAMPLE_MODES, STRATEGIES, TASKS,
+)
 
 
 class ConfigError(ValueError):
@@ -103,8 +90,7 @@ SCHEMA: dict[str, tuple[type, Callable[[Any], str | None] | None]] = {
     "strategy.client-rate": (float, _rate),
     "strategy.power-iters": (int, _min1),
     "strategy.refactor-every": (int, _min1),
-    # the keys of strategies.mechanisms.CLIENT_REFACTORIZATION (kept literal: config imports no torch)
-    "strategy.client-refactorization": (str, _in(("powerdp-l", "powerdp"))),
+    "strategy.client-refactorization": (str, _in(CLIENT_REFACTORIZATIONS)),
     "strategy.min-nodes": (int, _min1),
     "strategy.round-timeout": (float, _pos),
     "dp.level": (str, _in(DP_LEVELS)),
@@ -114,9 +100,9 @@ SCHEMA: dict[str, tuple[type, Callable[[Any], str | None] | None]] = {
     "dp.clip": (float, _pos),
     "dp.head-clip": (float, _nonneg),
     "dp.noise-multiplier": (float, _nonneg),
-    "dp.accountant": (str, _in(("rdp", "pld"))),
-    "dp.sample-mode": (str, _in(("two-stage", "product"))),
-    "dp.calibration": (str, _in(("rigorous", "paper"))),
+    "dp.accountant": (str, _in(ACCOUNTANTS)),
+    "dp.sample-mode": (str, _in(SAMPLE_MODES)),
+    "dp.calibration": (str, _in(CALIBRATIONS)),
     "dp.noise": (str, _in(NOISE_MODES)),
     "dp.diagnostics": (str, _in(DIAGNOSTICS)),
 }

@@ -20,7 +20,7 @@ import secrets
 
 import torch
 
-NOISE_MODES = ("hardened", "seeded")  # fedpower_app.config.NOISE_MODES: the same list
+NOISE_MODES = ("hardened", "seeded")  # the same list as fedpower_app.choices.NOISE_MODES (tests/test_config.py checks)
 
 
 def derive_seed(seed: int, stream: str, round_index: int) -> int:

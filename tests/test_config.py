@@ -53,3 +53,19 @@ def test_hashable_and_equal():
     assert hash(parse_config({})) == hash(parse_config({}))
     assert parse_config({}) == parse_config({})
     assert parse_config({"seed": 1}) != parse_config({})
+
+
+def test_every_choice_list_has_one_home():
+    """fedpower_app.choices holds the lists; config validation, the accountant and the noise source
+    read them (strategies/ cannot import fedpower_app, so its noise modes are checked equal here)."""
+    from fedpower_app import accounting as A
+    from fedpower_app import choices as CH
+    from fedpower_app.config import SCHEMA
+    from strategies.noise import NOISE_MODES
+
+    assert NOISE_MODES == CH.NOISE_MODES
+    assert A.ACCOUNTANTS is CH.ACCOUNTANTS and A.SAMPLE_MODES is CH.SAMPLE_MODES and A.CALIBRATIONS is CH.CALIBRATIONS
+    for key, choices in (("dp.accountant", CH.ACCOUNTANTS), ("strategy.name", CH.STRATEGIES),
+                         ("strategy.client-refactorization", CH.CLIENT_REFACTORIZATIONS), ("dp.noise", CH.NOISE_MODES)):
+        check = SCHEMA[key][1]
+        assert all(check(c) is None for c in choices) and check("nope") is not None

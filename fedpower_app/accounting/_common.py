@@ -14,7 +14,7 @@ import numpy as np
 
 from strategies.mechanisms import CLIENT_REFACTORIZATION, DELTA_MECHANISMS, WHOLE_ADAPTER_MECHANISMS
 
-METHODS = ("fedpower", "fedlora", "ffa-lora", "input-perturbation", "output-perturbation")
+from fedpower_app.choices import ACCOUNTANTS, ACCOUNTED_METHODS as METHODS, CALIBRATIONS, SAMPLE_MODES  # noqa: E402,F401
 # Releases of the silos' whole clipped adapters (the paper's mechanisms; server-side noise).
 ROUND_TYPES = WHOLE_ADAPTER_MECHANISMS
 # Client level, on round deltas (DP-FedAvg style; strategies/client_delta.py).
@@ -23,9 +23,6 @@ DELTA_ROUND_TYPES = DELTA_MECHANISMS
 #: paper's PowerDP on the averaged delta (diameter sensitivity; an ablation).
 CLIENT_REFACTORIZATIONS = tuple(CLIENT_REFACTORIZATION)
 LEVELS = ("sample", "client")
-SAMPLE_MODES = ("two-stage", "product")
-ACCOUNTANTS = ("rdp", "pld")
-CALIBRATIONS = ("rigorous", "paper")
 
 
 def _norm_name(value: Any, valid: Sequence[str], what: str) -> str:

@@ -1,0 +1,30 @@
+"""Every choice list of the configuration, in one place (pure python: config validation, the
+accounting package and the command-line tools read these names, and none keeps a copy).
+
+The mechanisms' own tables stay with the mechanisms (``strategies.mechanisms``): the client-level
+refactorizations are its ``CLIENT_REFACTORIZATION`` keys.
+"""
+
+from __future__ import annotations
+
+from strategies.mechanisms import CLIENT_REFACTORIZATION
+
+#: Server strategies (``strategy.name``).
+STRATEGIES = ("fedpower", "fedlora", "ffa-lora", "fedsvd", "input-perturbation", "output-perturbation")
+#: Methods the server-side accountant plans (FedSVD has no server-side noise: DP-SGD or none only).
+ACCOUNTED_METHODS = ("fedpower", "fedlora", "ffa-lora", "input-perturbation", "output-perturbation")
+DP_LEVELS = ("none", "sample", "client")
+#: Where sample-level noise is added: DP-SGD on every silo, or the paper's server-side noise.
+NOISE_AT = ("silo", "server")
+#: Where every noise draw and sampling coin comes from (strategies.noise.NOISE_MODES).
+NOISE_MODES = ("hardened", "seeded")
+#: What a private run shows beyond its guarantee (strategies.privacy_contract.Disclosure).
+DIAGNOSTICS = ("off", "released")
+ACCOUNTANTS = ("rdp", "pld")
+SAMPLE_MODES = ("two-stage", "product")
+CALIBRATIONS = ("rigorous", "paper")
+CLIENT_REFACTORIZATIONS = tuple(CLIENT_REFACTORIZATION)
+TASKS = ("synthetic", "sst2", "qnli", "mnli", "qqp")
+DEVICES = ("auto", "cpu", "cuda")
+LR_SCHEDULES = ("constant", "cosine")
+LOCAL_OPTIMIZERS = ("adam", "sgd")
