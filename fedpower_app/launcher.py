@@ -954,6 +954,23 @@ def resume_overrides(run_dir: str | Path) -> dict[str, Any]:
     return config
 
 
+def resumed_supernodes(run_dir: str | Path, requested: int | None) -> int:
+    """The number of simulated silos of the run being resumed (results.json ``clients.count``): a
+    resume with another number would be another population, which the server refuses. A
+    ``--supernodes`` that disagrees fails here, before anything starts."""
+    run_dir = Path(run_dir).expanduser().resolve()
+    try:
+        count = int(json.loads((run_dir / "results.json").read_text())["clients"]["count"])
+    except (OSError, ValueError, KeyError, TypeError):
+        count = None  # killed before its silos answered: nothing recorded, nothing to contradict
+    if count is None:
+        return 6 if requested is None else requested
+    if requested is not None and requested != count:
+        raise ConfigError(f"--resume {run_dir}: the run had {count} silos; --supernodes {requested} would be "
+                          "another population (leave --supernodes out to resume with the run's own)")
+    return count
+
+
 def check_launch(overrides: dict[str, Any], *, app_dir: str | Path = PROJECT_ROOT, num_supernodes: int = 6,
                  cpus_per_client: float = 1, gpus_per_client: float = 0.0,
                  flwr_home: str | Path | None = None) -> RunConfig:
@@ -1077,7 +1094,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--app", default=str(PROJECT_ROOT), help="app directory (default: this project)")
     p.add_argument("--preset", help="a conf/*.toml preset")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a run-config key (TOML value)")
-    p.add_argument("--supernodes", type=int, default=6, help="number of simulated silos (default 6)")
+    p.add_argument("--supernodes", type=int, default=None,
+                   help="number of simulated silos (default 6; with --resume, the run's own number)")
     p.add_argument("--cpus-per-client", type=float, default=1)
     p.add_argument("--gpus-per-client", type=float, default=0.0, help="fraction of a GPU per ClientApp (e.g. 0.25)")
     p.add_argument("--flwr-home", default=os.environ.get("FLWR_HOME"), help="Flower home (default ~/.flwr)")
@@ -1093,6 +1111,7 @@ def main(argv: list[str] | None = None) -> int:
         overrides = {**(load_preset(args.preset) if args.preset else {}), **parse_set(args.set)}
         if args.resume:
             overrides = {**resume_overrides(args.resume), **overrides}
+            args.supernodes = resumed_supernodes(args.resume, args.supernodes)
         else:  # the method's tuned settings, where neither the preset nor --set chose (issue #32)
             overrides, from_method, method_path = with_method_preset(overrides)
             if from_method:
@@ -1100,6 +1119,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"{_shown_path(method_path)}: "
                       + ", ".join(f"{k}={v!r}" for k, v in from_method.items()) + " (a --set of a key wins)",
                       flush=True)
+        if args.supernodes is None:
+            args.supernodes = 6
         check_launch(overrides, app_dir=args.app, num_supernodes=args.supernodes,
                      cpus_per_client=args.cpus_per_client, gpus_per_client=args.gpus_per_client,
                      flwr_home=args.flwr_home)

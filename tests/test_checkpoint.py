@@ -251,3 +251,19 @@ def test_no_release_leaves_before_it_is_charged_durably(tmp_path):
     assert res["status"] == "completed" and [r["server_round"] for r in res["rounds"]] == [1, 2, 3]
     assert res["rounds"][1]["accuracy"] is not None
     assert len(res["privacy_final"]["ledger"]["history"]) == 3  # each release charged once
+
+
+def test_fedpower_run_resume_restores_the_runs_number_of_silos(tmp_path):
+    """A run made with --supernodes 3 resumes with 3 SuperNodes, not the default 6 (which the
+    server would refuse as another population); a contradicting --supernodes fails before anything."""
+    from fedpower_app import launcher as L
+    from fedpower_app.config import ConfigError
+
+    run_dir = tmp_path / "r"
+    run_dir.mkdir()
+    (run_dir / "results.json").write_text(json.dumps({"config": {}, "clients": {"count": 3}}))
+    assert L.resumed_supernodes(run_dir, None) == 3 and L.resumed_supernodes(run_dir, 3) == 3
+    with pytest.raises(ConfigError, match="the run had 3 silos"):
+        L.resumed_supernodes(run_dir, 6)
+    (run_dir / "results.json").write_text(json.dumps({"config": {}, "clients": None}))  # killed before the size query
+    assert L.resumed_supernodes(run_dir, None) == 6
