@@ -79,7 +79,7 @@ def test_bad_config_fails_fast_without_starting_flower(extra, key, words, nothin
 def test_config_error_message_format(nothing_may_start, capsys):
     assert L.main(["--set", 'strategy.name="fedpwr"']) == 2
     assert capsys.readouterr().err == (
-        "fedpower-run: error: config key 'strategy.name' must be one of fedpower, fedlora, ffa-lora, "
+        "fedpower-run: error: config key 'strategy.name' must be one of fedpower, fedlora, ffa-lora, fedsvd, "
         "input-perturbation, output-perturbation, got 'fedpwr'\n")
 
 
