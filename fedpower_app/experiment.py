@@ -76,11 +76,11 @@ import statistics
 import sys
 import time
 import tomllib
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+from .runs import default_flwr_home, default_port, is_inside
 from .atomic import write_json_atomic
 from .config import PROJECT_ROOT, STRATEGIES, TASKS, ConfigError, load_preset, parse_config
 
@@ -584,30 +584,8 @@ def supersede(cell_dir: Path, out: Path) -> Path:
     return dest
 
 
-def _inside(path: Path, root: Path) -> bool:
-    try:
-        Path(path).resolve().relative_to(Path(root).resolve())
-        return True
-    except ValueError:
-        return False
-
-
-def default_flwr_home(out: Path) -> Path:
-    """A Flower home private to this grid: ``<out>/flwr-home``, or, when ``<out>`` is inside the app
-    directory (e.g. ``results/``), ``~/.cache/fedpower/flwr-home-<hash of out>``: a Flower home keeps
-    installed apps and state that do not belong in the project tree. (``flwr run`` packs only what
-    pyproject.toml's ``fab-include`` lists; without it, a nested home's installed apps would be
-    packaged recursively.)"""
-    out = Path(out).resolve()
-    if not _inside(out, PROJECT_ROOT):
-        return out / "flwr-home"
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fedpower"
-    return cache / f"flwr-home-{zlib.crc32(str(out).encode()):08x}"
-
-
-def default_port(out: Path) -> int:
-    """A private managed-SuperLink port derived from the output directory (stable across resumes)."""
-    return 41000 + (zlib.crc32(str(out.resolve()).encode()) % 1500) * 4
+# A grid's Flower home and port: one home for every command that runs configurations (fedpower_app.runs).
+_inside = is_inside
 
 
 def _fmt_seconds(s: float) -> str:

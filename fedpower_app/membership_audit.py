@@ -323,7 +323,7 @@ def run_one(plan: AuditPlan, out: Path, run: int, *, flwr_home: Path, port: int,
 
 def run_audit(plan: AuditPlan, out: Path, *, echo: bool = False, timeout: float | None = None,
               max_runs: int | None = None, port: int | None = None, log=print) -> list[dict[str, Any]]:
-    from .experiment import _inside, default_flwr_home, default_port
+    from .runs import default_flwr_home, default_port, is_inside as _inside
     from .launcher import stop_local_superlink
 
     flwr_home = default_flwr_home(out)
