@@ -74,6 +74,27 @@ def _shard(cfg: RunConfig, pid: int, num: int):
     return D.client_shard(cfg, M.load_tokenizer(cfg["model.name"]), pid, num)
 
 
+_PREFIX_CACHES: dict[tuple, object] = {}
+
+
+def _training_split(cfg: RunConfig, pid: int, num: int, model):
+    """The silo's shard, or with ``train.cache-frozen`` its frozen-prefix cache (built on the first
+    round this process trains the silo, then reused: the frozen layers never change during a run).
+    A process that serves several silos (in-process grid, Ray actors) keeps each one's cache: all
+    of them together hold each training row once."""
+    shard = _shard(cfg, pid, num)
+    if not cfg["train.cache-frozen"]:
+        return shard
+    key = (cfg, pid, num)
+    if key not in _PREFIX_CACHES:
+        from fedpower_app.frozen_prefix import build_prefix_cache
+
+        for stale in [k for k in _PREFIX_CACHES if k[0] != cfg]:  # another run's caches
+            del _PREFIX_CACHES[stale]
+        _PREFIX_CACHES[key] = build_prefix_cache(model, shard, device=next(model.parameters()).device, log=log)
+    return _PREFIX_CACHES[key]
+
+
 @lru_cache(maxsize=8)
 def _eval_shard(cfg: RunConfig, pid: int, num: int):
     split = next(iter(D.eval_splits(cfg, M.load_tokenizer(cfg["model.name"])).values()))
@@ -221,13 +242,14 @@ def train(msg: Message, context: Context) -> Message:
         sample_rate, charge = silo_gate(ledger, paid, key, params, shard.dp_size, max_epsilon=max_epsilon)
     M.load_adapter_state(model, msg.content["arrays"].to_torch_state_dict())
     M.set_trainable(model, train_a="A" in train_lora, train_b=True)
+    data = _training_split(cfg, pid, num, model)
     noise = NoiseSource(cfg["seed"], cfg["dp.noise"])
     streams = silo_randomness(noise, pid, server_round)
     device = next(model.parameters()).device
     lr = round_lr(cfg["train.lr"], cfg["train.lr-schedule"], server_round, cfg["num-server-rounds"])
     t0 = time.perf_counter()
     if ledger is not None:
-        stats = dp_sgd_train_local(model, shard, params=params, lr=lr,
+        stats = dp_sgd_train_local(model, data, params=params, lr=lr,
                                    sampling_generator=streams.sampling, noise_generator=streams.dp_noise,
                                    secure_noise=noise.hardened, device=device, dropout_seed=streams.dropout_seed,
                                    optimizer=cfg["train.optimizer"])
@@ -238,7 +260,7 @@ def train(msg: Message, context: Context) -> Message:
         _save_ledger(context, ledger, paid)
     else:
         stats = train_local(
-            model, shard, steps=cfg["train.local-steps"], batch_size=cfg["train.batch-size"], lr=lr,
+            model, data, steps=cfg["train.local-steps"], batch_size=cfg["train.batch-size"], lr=lr,
             generator=streams.sampling, poisson=(cfg["dp.level"] == "sample"), device=device,
             dropout_seed=streams.dropout_seed, optimizer=cfg["train.optimizer"],
         )

@@ -44,7 +44,8 @@ _MAGIC = b"FEDPOWER-CHECKPOINT-1\n"
 RESUMABLE_KEYS = ("resume", "strategy.round-timeout", "eval.batch-size")
 # Keys added after checkpoints were first written, each with the value that reproduces the runs made
 # before it existed. At that value a key is left out of the fingerprint, so those checkpoints resume.
-ADDED_KEYS = {"task.dirichlet-alpha": 0.0, "dp.diagnostics": "off", "task.validation-rows": 0}
+ADDED_KEYS = {"task.dirichlet-alpha": 0.0, "dp.diagnostics": "off", "task.validation-rows": 0,
+              "lora.top-layers": 0, "train.cache-frozen": False}
 
 
 def _fingerprinted(config: dict[str, Any]) -> dict[str, Any]:

@@ -31,6 +31,7 @@ import torch
 from strategies.privacy_contract import sample_rate
 
 from .data import TokenizedSplit
+from .frozen_prefix import forward_context
 from .model import is_head_parameter
 from .training import (PHYSICAL_BATCH_SIZE, TrainStats, _autocast, _seeded_dropout, batch_indices, local_optimizer,
                        physical_chunks)
@@ -173,7 +174,7 @@ def dp_sgd_train_local(model, data: TokenizedSplit, *, params: DPSGDParams, lr: 
     gsm.train()
     total, count, seen, empty = 0.0, 0, 0, 0
     try:
-        with _seeded_dropout(dropout_seed, device):
+        with _seeded_dropout(dropout_seed, device), forward_context(model, data):
             for idx in batch_indices(len(data), params.batch_size, params.local_steps, sampling_generator,
                                      poisson=True, rate_size=getattr(data, "dp_size", None)):
                 dp_optimizer.zero_grad(set_to_none=True)

@@ -120,7 +120,14 @@ def build_model(cfg: RunConfig, num_labels: int, device: torch.device | str | No
     model_type = base.config.model_type
     targets = target_modules_for(model_type, cfg.target_modules)
     head = HEAD_MODULES.get(model_type, ["classifier"]) if cfg["model.train-head"] else None
+    top = cfg["lora.top-layers"]
+    depth = int(getattr(base.config, "num_hidden_layers", 0) or 0)
+    if top and not 0 < top <= depth:
+        raise ValueError(f"lora.top-layers = {top} but the model has {depth} layers")
     lora = LoraConfig(
+        # LoRA on the top N layers only (None: all): the layers below stay frozen and adapter-free,
+        # so their output can be cached per silo (train.cache-frozen).
+        layers_to_transform=list(range(depth - top, depth)) if top else None,
         r=cfg["lora.rank"],
         lora_alpha=cfg["lora.alpha"],
         lora_dropout=cfg["lora.dropout"],
@@ -142,7 +149,7 @@ _INITIAL_STATES: dict[tuple, dict] = {}
 
 def model_cache_key(cfg: RunConfig, num_labels: int) -> tuple:
     keys = ("model.name", "model.target-modules", "model.train-head", "lora.rank", "lora.alpha",
-            "lora.dropout", "seed", "device")
+            "lora.dropout", "lora.top-layers", "seed", "device")
     return tuple(cfg[k] for k in keys) + (num_labels,)
 
 

@@ -142,7 +142,9 @@ def train_local(model, data: TokenizedSplit, *, steps: int, batch_size: int, lr:
     """L steps of mini-batch Adam (or SGD: ``optimizer``) on the trainable parameters; a fresh
     optimizer every round.
     ``dropout_seed`` makes the dropout masks a function of the seed alone (see ``silo_randomness``)."""
-    with _seeded_dropout(dropout_seed, device):
+    from .frozen_prefix import forward_context
+
+    with _seeded_dropout(dropout_seed, device), forward_context(model, data):
         return _train_steps(model, data, steps=steps, batch_size=batch_size, lr=lr,
                             generator=generator, poisson=poisson, device=device,
                             physical_batch_size=physical_batch_size, optimizer=optimizer)

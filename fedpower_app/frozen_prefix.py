@@ -1,0 +1,172 @@
+"""Cache what the frozen layers below the lowest adapter compute (``train.cache-frozen``).
+
+Why: with LoRA only on the top layers (``lora.top-layers``), the embeddings and the encoder layers
+below the lowest adapter never change during a run: their output for a given example is the same
+every round. A silo computes it once, then every training step runs only the layers from the lowest
+adapter up (forward and backward). On MiniLM with LoRA on the top 3 of 6 layers that removes the
+frozen half's forward from every step (BENCHMARKS.md, "Frozen-prefix cache").
+
+What changes: the cached layers run in eval mode, so their dropout is off during training (the
+layers above keep theirs). Everything else is the same computation: in eval mode the cached
+model's logits equal the full model's (tests/test_frozen_prefix.py). Privacy is unaffected: the
+cache is a deterministic function of the silo's own examples and public weights, and DP-SGD clips
+and noises the same per-example gradients of the same trainable tensors.
+
+How: ``prefix_skipped(model, k)`` swaps, for the duration of a step, the embeddings for a
+pass-through and the encoder's layer list for its layers k and up, then calls the unchanged Hugging
+Face forward with ``inputs_embeds`` = the cached hidden states. Supported: encoders with
+``embeddings`` and ``encoder.layer`` (BERT, RoBERTa, ELECTRA, MiniLM).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+
+import torch
+
+_LAYER = re.compile(r"(?:^|\.)encoder\.layer\.(\d+)\.")
+
+
+def _encoder_owner(model):
+    """The submodule holding ``embeddings`` and ``encoder.layer`` (e.g. PEFT -> ... -> ``bert``)."""
+    for module in model.modules():
+        encoder = getattr(module, "encoder", None)
+        if hasattr(module, "embeddings") and isinstance(getattr(encoder, "layer", None), torch.nn.ModuleList):
+            return module
+    raise ValueError("train.cache-frozen needs an encoder with `embeddings` and `encoder.layer` "
+                     "(BERT, RoBERTa, ELECTRA, MiniLM); this model has neither")
+
+
+def lowest_adapted_layer(model) -> int:
+    """The index of the lowest encoder layer that holds a LoRA module or a trainable tensor.
+
+    Everything below it is frozen and adapter-free, so its output is the same every round. Raises
+    if the embeddings train or carry adapters (nothing to cache) or if nothing trains."""
+    lowest = None
+    for name, p in model.named_parameters():
+        if not (p.requires_grad or "lora_" in name):
+            continue
+        if ".embeddings." in name:
+            raise ValueError(f"train.cache-frozen: the embeddings are adapted or trained ({name}); nothing below is frozen")
+        m = _LAYER.search(name)
+        if m is not None:
+            lowest = int(m.group(1)) if lowest is None else min(lowest, int(m.group(1)))
+    if lowest is None:
+        # Only modules above the encoder train (the head, the pooler): cache the whole encoder.
+        owner = _encoder_owner(model)
+        return len(owner.encoder.layer)
+    return lowest
+
+
+class _PassThrough(torch.nn.Module):
+    """Stands in for the embeddings: the cached hidden states come in as ``inputs_embeds``."""
+
+    def forward(self, input_ids=None, inputs_embeds=None, **kwargs):
+        if inputs_embeds is None:
+            raise RuntimeError("a prefix-skipped model needs the cached hidden states as inputs_embeds")
+        return inputs_embeds
+
+
+@contextmanager
+def prefix_skipped(model, layer: int):
+    """Within the block, ``model(inputs_embeds=h, attention_mask=m, labels=y)`` runs encoder layers
+    ``layer`` and up on ``h`` (the output of layer ``layer - 1``), then the pooler and the head."""
+    owner = _encoder_owner(model)
+    embeddings, layers = owner.embeddings, owner.encoder.layer
+    owner.embeddings = _PassThrough()
+    owner.encoder.layer = torch.nn.ModuleList(list(layers)[layer:])
+    try:
+        yield model
+    finally:
+        owner.embeddings = embeddings
+        owner.encoder.layer = layers
+
+
+@torch.no_grad()
+def _prefix_hidden(model, batch: dict, layer: int) -> torch.Tensor:
+    """The output of encoder layer ``layer - 1`` (eval mode) for a tokenized batch."""
+    owner = _encoder_owner(model)
+    keep = owner.encoder.layer
+    owner.encoder.layer = torch.nn.ModuleList(list(keep)[:layer])
+    try:
+        out = owner(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                    token_type_ids=batch.get("token_type_ids"))
+    finally:
+        owner.encoder.layer = keep
+    return out.last_hidden_state
+
+
+@dataclass
+class CachedPrefixSplit:
+    """A split whose batches are the cached hidden states at the lowest adapted layer.
+
+    It quacks like ``TokenizedSplit`` for training (``len``, ``attention_mask`` for length-sorted
+    chunks, ``dp_size`` for the sampling rate, ``batch``). Rows are stored trimmed to their real
+    tokens, one flat float32 tensor (MiniLM on SST-2: 13.4 tokens x 384 floats per row)."""
+
+    hidden: torch.Tensor  # (total real tokens, H)
+    offsets: torch.Tensor  # (N + 1,) row i is hidden[offsets[i]:offsets[i+1]]
+    attention_mask: torch.Tensor  # (N, L) int64, as the tokenized split's
+    labels: torch.Tensor  # (N,)
+    layer: int  # the hidden states are the input of encoder layer ``layer``
+    declared_size: int | None = None
+
+    def __len__(self) -> int:
+        return int(self.labels.shape[0])
+
+    @property
+    def dp_size(self) -> int:
+        return max(len(self), int(self.declared_size or 0))
+
+    def batch(self, idx: torch.Tensor, device) -> dict[str, torch.Tensor]:
+        lengths = self.attention_mask[idx].sum(dim=1)
+        width = max(int(lengths.max().item()), 1) if len(idx) else 1
+        out = torch.zeros(len(idx), width, self.hidden.shape[1], dtype=self.hidden.dtype)
+        for row, (i, n) in enumerate(zip(idx.tolist(), lengths.tolist())):
+            start = int(self.offsets[i])
+            out[row, :n] = self.hidden[start:start + n]
+        return {"inputs_embeds": out.to(device), "attention_mask": self.attention_mask[idx, :width].to(device),
+                "labels": self.labels[idx].to(device)}
+
+
+def build_prefix_cache(model, data, *, device: torch.device, batch_size: int = 256, log=None) -> CachedPrefixSplit:
+    """Run the frozen prefix (embeddings and the layers below the lowest adapter) over ``data``
+    once, in eval mode, and keep each row's real tokens. Rows are attended only by their real
+    tokens, so trimming the padding does not change what the layers above compute for them."""
+    layer = lowest_adapted_layer(model)
+    was_training = model.training
+    model.eval()
+    lengths = data.attention_mask.sum(dim=1)
+    offsets = torch.zeros(len(data) + 1, dtype=torch.long)
+    offsets[1:] = torch.cumsum(lengths, 0)
+    hidden = None
+    t0 = time.perf_counter()
+    order = torch.argsort(lengths, stable=True)  # similar lengths together: less padding
+    try:
+        for start in range(0, len(data), batch_size):
+            idx = order[start:start + batch_size]
+            h = _prefix_hidden(model, data.batch(idx, device), layer).float().cpu()
+            if hidden is None:
+                hidden = torch.empty(int(offsets[-1]), h.shape[-1], dtype=torch.float32)
+            for row, i in enumerate(idx.tolist()):
+                n = int(lengths[i])
+                hidden[int(offsets[i]):int(offsets[i]) + n] = h[row, :n]
+    finally:
+        model.train(was_training)
+    if hidden is None:
+        hidden = torch.empty(0, 0)
+    if log is not None:
+        log.info("frozen-prefix cache: %d rows, layers below %d, %.0f MB, built in %.1f s", len(data), layer,
+                 hidden.numel() * 4 / 2**20, time.perf_counter() - t0)
+    return CachedPrefixSplit(hidden, offsets, data.attention_mask, data.labels, layer,
+                             declared_size=getattr(data, "declared_size", None))
+
+
+def forward_context(model, data):
+    """The context a training step's forward runs in: prefix skipped for a cached split."""
+    if isinstance(data, CachedPrefixSplit):
+        return prefix_skipped(model, data.layer)
+    return nullcontext()

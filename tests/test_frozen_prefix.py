@@ -1,0 +1,128 @@
+"""The frozen-prefix cache (``train.cache-frozen``, ``lora.top-layers``): training on the cached
+hidden states of the layers below the lowest adapter is the same computation as training the whole
+model (with their dropout off), for plain training and for DP-SGD."""
+
+import pytest
+import torch
+
+from fedpower_app import data as D
+from fedpower_app import model as M
+from fedpower_app.config import parse_config
+from fedpower_app.dp_sgd import DPSGDParams, dp_sgd_train_local
+from fedpower_app.frozen_prefix import (CachedPrefixSplit, build_prefix_cache, lowest_adapted_layer,
+                                        prefix_skipped)
+from fedpower_app.training import train_local
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def tiny3_dir(tmp_path_factory):
+    """A 3-layer BERT (hidden 64, no dropout) with MiniLM's tokenizer, saved as a local model."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    path = tmp_path_factory.mktemp("tiny-bert-3")
+    config = BertConfig(vocab_size=30522, hidden_size=64, num_hidden_layers=3, num_attention_heads=2,
+                        intermediate_size=128, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                        max_position_embeddings=64)
+    torch.manual_seed(0)
+    BertForSequenceClassification(config).bert.save_pretrained(str(path))
+    M.load_tokenizer("minilm").save_pretrained(str(path))
+    return str(path)
+
+
+def setup(model_dir, **overrides):
+    cfg = parse_config({"model.name": model_dir, "lora.rank": 4, "lora.dropout": 0.0, "task.max-length": 16,
+                        "task.synthetic-train-size": 96, "task.synthetic-eval-size": 16, "lora.top-layers": 1,
+                        "model.train-head": True, **overrides})
+    model = M.build_model(cfg, 2)
+    with torch.no_grad():  # B = 0 at init would hide a wrong layer: give every adapter an effect
+        gen = torch.Generator().manual_seed(5)
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    shard = D.client_shard(cfg, M.load_tokenizer(model_dir), 0, 1)
+    return cfg, model, shard
+
+
+def test_top_layers_put_lora_only_on_the_top_layers(tiny3_dir):
+    _, model, _ = setup(tiny3_dir)
+    adapted = {n.split(".encoder.layer.")[1].split(".")[0] for n, _ in model.named_parameters()
+               if "lora_" in n}
+    assert adapted == {"2"}
+    assert not any("pooler" in n and "lora_" in n for n, _ in model.named_parameters())
+    assert lowest_adapted_layer(model) == 2
+    _, model2, _ = setup(tiny3_dir, **{"lora.top-layers": 2})
+    assert lowest_adapted_layer(model2) == 1
+    _, model_all, _ = setup(tiny3_dir, **{"lora.top-layers": 0})
+    assert lowest_adapted_layer(model_all) == 0
+
+
+def test_more_top_layers_than_the_model_has_is_refused(tiny3_dir):
+    with pytest.raises(ValueError, match="lora.top-layers = 4 but the model has 3 layers"):
+        setup(tiny3_dir, **{"lora.top-layers": 4})
+
+
+def test_cached_logits_equal_the_full_models(tiny3_dir):
+    _, model, shard = setup(tiny3_dir)
+    cache = build_prefix_cache(model, shard, device=CPU, batch_size=7)
+    assert isinstance(cache, CachedPrefixSplit) and len(cache) == len(shard) and cache.layer == 2
+    assert cache.hidden.shape[0] == int(shard.attention_mask.sum())  # padding is not stored
+    model.eval()
+    idx = torch.arange(len(shard))[torch.randperm(len(shard), generator=torch.Generator().manual_seed(1))][:40]
+    with torch.no_grad():
+        full = model(**shard.batch(idx, CPU)).logits
+        with prefix_skipped(model, cache.layer):
+            cached = model(**cache.batch(idx, CPU)).logits
+    torch.testing.assert_close(cached, full, rtol=1e-5, atol=1e-5)
+    # the swap is undone: the model is whole again
+    with torch.no_grad():
+        torch.testing.assert_close(model(**shard.batch(idx, CPU)).logits, full)
+
+
+def _adapters(model):
+    return {k: v.clone() for k, v in M.adapter_state(model).items()}
+
+
+def test_a_dp_sgd_round_on_the_cache_equals_one_on_the_tokens(tiny3_dir):
+    params = DPSGDParams(noise_multiplier=0.7, clip=0.05, batch_size=24, local_steps=3, head_clip=0.05)
+    results = []
+    for cached in (False, True):
+        _, model, shard = setup(tiny3_dir)
+        data = build_prefix_cache(model, shard, device=CPU) if cached else shard
+        stats = dp_sgd_train_local(model, data, params=params, lr=0.01,
+                                   sampling_generator=torch.Generator().manual_seed(3),
+                                   noise_generator=torch.Generator().manual_seed(4), device=CPU)
+        results.append((stats, _adapters(model)))
+    (s_tok, a_tok), (s_cache, a_cache) = results
+    assert s_tok.examples_seen == s_cache.examples_seen > 0
+    assert abs(s_tok.loss - s_cache.loss) < 1e-5
+    for k in a_tok:
+        torch.testing.assert_close(a_cache[k], a_tok[k], rtol=1e-4, atol=1e-6)
+    _, fresh, _ = setup(tiny3_dir)
+    assert any(not torch.equal(a_tok[k], v) for k, v in M.adapter_state(fresh).items())  # it trained
+
+
+def test_a_plain_round_on_the_cache_equals_one_on_the_tokens(tiny3_dir):
+    results = []
+    for cached in (False, True):
+        _, model, shard = setup(tiny3_dir)
+        data = build_prefix_cache(model, shard, device=CPU) if cached else shard
+        train_local(model, data, steps=2, batch_size=32, lr=0.01, generator=torch.Generator().manual_seed(3),
+                    poisson=False, device=CPU)
+        results.append(_adapters(model))
+    for k in results[0]:
+        torch.testing.assert_close(results[1][k], results[0][k], rtol=1e-4, atol=1e-6)
+
+
+def test_the_silo_builds_its_cache_once_and_trains_on_it(tiny3_dir):
+    from client_app import app as client
+
+    cfg, model, _ = setup(tiny3_dir, **{"train.cache-frozen": True})
+    first = client._training_split(cfg, 0, 2, model)
+    assert isinstance(first, CachedPrefixSplit)
+    assert client._training_split(cfg, 0, 2, model) is first  # reused, not rebuilt
+    other = client._training_split(cfg, 1, 2, model)
+    assert other is not first and client._training_split(cfg, 0, 2, model) is first  # silos side by side
+    plain = parse_config({**cfg.values, "train.cache-frozen": False})
+    assert not isinstance(client._training_split(plain, 0, 2, model), CachedPrefixSplit)
