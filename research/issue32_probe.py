@@ -129,6 +129,10 @@ def main(argv=None) -> int:
         rec["s"] = round(time.perf_counter() - t0, 1)
         log(rec)
 
+    from fedpower_app.frozen_prefix import build_prefix_cache, forward_context
+
+    if cfg["train.cache-frozen"]:  # train on the frozen layers' cached output (same step, faster)
+        train = build_prefix_cache(model, train, device=cpu)
     t0 = time.perf_counter()
     if a.mode == "dp":
         from fedpower_app.accounting.silo import calibrate_noise_multiplier
@@ -190,7 +194,8 @@ def main(argv=None) -> int:
             opt.zero_grad(set_to_none=True)
             bl = 0.0
             for chunk in physical_chunks(train, idx, 128):
-                outp = model(**train.batch(chunk, cpu))
+                with forward_context(model, train):
+                    outp = model(**train.batch(chunk, cpu))
                 (outp.loss * (len(chunk) / len(idx))).backward()
                 bl += float(outp.loss.detach()) * len(chunk) / len(idx)
             opt.step()
