@@ -33,8 +33,8 @@ from strategies.privacy_contract import sample_rate
 from .data import TokenizedSplit
 from .frozen_prefix import forward_context
 from .model import is_head_parameter
-from .training import (PHYSICAL_BATCH_SIZE, TrainStats, _autocast, _seeded_dropout, batch_indices, local_optimizer,
-                       physical_chunks)
+from .training import (PHYSICAL_BATCH_SIZE, TrainStats, _autocast, _seeded_dropout, batch_indices, keep_optimizer,
+                       local_optimizer, physical_chunks, resume_optimizer)
 
 
 def clipped_sensitivity(clip: float, head_clip: float = 0.0) -> float:
@@ -146,11 +146,13 @@ def dp_sgd_train_local(model, data: TokenizedSplit, *, params: DPSGDParams, lr: 
                        sampling_generator: torch.Generator, noise_generator: torch.Generator | None,
                        device: torch.device, secure_noise: bool = False,
                        dropout_seed: int | None = None, optimizer: str = "adam",
-                       physical_batch_size: int = PHYSICAL_BATCH_SIZE) -> TrainStats:
+                       physical_batch_size: int = PHYSICAL_BATCH_SIZE, optimizer_carry: dict | None = None) -> TrainStats:
     """One silo's round of DP-SGD on ``model`` (a PEFT model whose trainable set is settled).
 
     ``noise_generator`` feeds Opacus' Gaussian noise (seeded runs repeat); ``secure_noise`` uses
-    Opacus' secure mode (sum of draws), for the hardened noise source."""
+    Opacus' secure mode (sum of draws), for the hardened noise source. ``optimizer_carry``: the
+    silo's optimizer state from its previous round, loaded before and saved after (post-processing
+    of the silo's own noisy steps: it costs no privacy)."""
     from opacus.optimizers import DPOptimizer
 
     problems = params.problems()
@@ -162,6 +164,7 @@ def dp_sgd_train_local(model, data: TokenizedSplit, *, params: DPSGDParams, lr: 
     if not trainable:
         raise ValueError("DP-SGD needs at least one trainable tensor")
     base = local_optimizer(trainable, lr=lr, kind=optimizer)
+    resume_optimizer(base, trainable, lr=lr, kind=optimizer, carry=optimizer_carry)
     common = dict(noise_multiplier=params.noise_multiplier, expected_batch_size=params.batch_size,
                   loss_reduction="mean", generator=noise_generator, secure_mode=secure_noise)
     if params.head_clip > 0 and any(is_head_parameter(name) for name, _ in named):
@@ -207,5 +210,6 @@ def dp_sgd_train_local(model, data: TokenizedSplit, *, params: DPSGDParams, lr: 
         # The hooks stay registered (one wrapper per process) but idle: plain training and
         # evaluation of the same model compute no per-example gradients.
         gsm.disable_hooks()
+    keep_optimizer(base, trainable, kind=optimizer, carry=optimizer_carry)
     return TrainStats(loss=total / count if count else math.nan, steps=params.local_steps,
                       examples_seen=seen, empty_steps=empty)

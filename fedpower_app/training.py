@@ -135,10 +135,32 @@ def local_optimizer(params, *, lr: float, kind: str = "adam"):
     raise ValueError(f"unknown optimizer {kind!r}")
 
 
+def resume_optimizer(opt, params, *, lr: float, kind: str, carry: dict | None) -> None:
+    """Load a silo's optimizer state from its previous round into ``opt`` (``train.optimizer-state
+    = "run"``): Adam's moments then average over many rounds' noisy steps instead of restarting
+    from zero (a fresh Adam's first steps move every coordinate by about lr, noise or not). A state
+    of another optimizer or trainable set is ignored. ``carry`` empty or None: nothing to load."""
+    if not carry or carry.get("kind") != kind or carry.get("shapes") != [tuple(p.shape) for p in params]:
+        return
+    opt.load_state_dict(carry["state"])
+    for group in opt.param_groups:
+        group["lr"] = lr  # this round's rate, not the saved one
+
+
+def keep_optimizer(opt, params, *, kind: str, carry: dict | None) -> None:
+    """Save ``opt``'s state into ``carry`` (if given) for the silo's next round."""
+    if carry is None:
+        return
+    import copy
+
+    carry.clear()
+    carry.update(kind=kind, shapes=[tuple(p.shape) for p in params], state=copy.deepcopy(opt.state_dict()))
+
+
 def train_local(model, data: TokenizedSplit, *, steps: int, batch_size: int, lr: float,
                 generator: torch.Generator, poisson: bool, device: torch.device,
                 dropout_seed: int | None = None, physical_batch_size: int = PHYSICAL_BATCH_SIZE,
-                optimizer: str = "adam") -> TrainStats:
+                optimizer: str = "adam", optimizer_carry: dict | None = None) -> TrainStats:
     """L steps of mini-batch Adam (or SGD: ``optimizer``) on the trainable parameters; a fresh
     optimizer every round.
     ``dropout_seed`` makes the dropout masks a function of the seed alone (see ``silo_randomness``)."""
@@ -147,14 +169,18 @@ def train_local(model, data: TokenizedSplit, *, steps: int, batch_size: int, lr:
     with _seeded_dropout(dropout_seed, device), forward_context(model, data):
         return _train_steps(model, data, steps=steps, batch_size=batch_size, lr=lr,
                             generator=generator, poisson=poisson, device=device,
-                            physical_batch_size=physical_batch_size, optimizer=optimizer)
+                            physical_batch_size=physical_batch_size, optimizer=optimizer,
+                            optimizer_carry=optimizer_carry)
 
 
 def _train_steps(model, data: TokenizedSplit, *, steps: int, batch_size: int, lr: float,
                  generator: torch.Generator, poisson: bool, device: torch.device,
-                 physical_batch_size: int = PHYSICAL_BATCH_SIZE, optimizer: str = "adam") -> TrainStats:
+                 physical_batch_size: int = PHYSICAL_BATCH_SIZE, optimizer: str = "adam",
+                 optimizer_carry: dict | None = None) -> TrainStats:
     model.train()
-    opt = local_optimizer([p for p in model.parameters() if p.requires_grad], lr=lr, kind=optimizer)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = local_optimizer(params, lr=lr, kind=optimizer)
+    resume_optimizer(opt, params, lr=lr, kind=optimizer, carry=optimizer_carry)
     total, count, seen, empty = 0.0, 0, 0, 0
     for idx in batch_indices(len(data), batch_size, steps, generator, poisson, rate_size=getattr(data, "dp_size", None)):
         if len(idx) == 0:
@@ -174,6 +200,7 @@ def _train_steps(model, data: TokenizedSplit, *, steps: int, batch_size: int, lr
         total += batch_loss / len(idx)
         count += 1
         seen += len(idx)
+    keep_optimizer(opt, params, kind=optimizer, carry=optimizer_carry)
     return TrainStats(loss=total / count if count else math.nan, steps=steps, examples_seen=seen, empty_steps=empty)
 
 

@@ -76,6 +76,8 @@ def main(argv=None) -> int:
     ap.add_argument("--group-by-length", action="store_true", help="plain: length-grouped batches")
     ap.add_argument("--no-dev", action="store_true", help="skip the dev evaluation")
     ap.add_argument("--a-init-scale", type=float, default=1.0, help="multiply the initial LoRA A by this")
+    ap.add_argument("--persist-optimizer", action="store_true",
+                    help="dp: the silo keeps its optimizer state across rounds (train.optimizer-state = run)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default="")
     a = ap.parse_args(argv)
@@ -147,10 +149,12 @@ def main(argv=None) -> int:
         log(header)
         sampling, noise = torch.Generator().manual_seed(cfg["seed"]), torch.Generator().manual_seed(cfg["seed"] + 1)
         do_eval({"round": 0})
+        carry = {} if a.persist_optimizer else None
         for r in range(1, T + 1):
             lr = round_lr(cfg["train.lr"], cfg["train.lr-schedule"], r, T)
             st = dp_sgd_train_local(model, train, params=params, lr=lr, sampling_generator=sampling,
-                                    noise_generator=noise, device=cpu, optimizer=cfg["train.optimizer"])
+                                    noise_generator=noise, device=cpu, optimizer=cfg["train.optimizer"],
+                                    optimizer_carry=carry)
             if r % max(1, a.eval_every) == 0 or r == T:
                 do_eval({"round": r, "lr": round(lr, 6), "loss": round(st.loss, 4)})
     else:

@@ -126,3 +126,25 @@ def test_the_silo_builds_its_cache_once_and_trains_on_it(tiny3_dir):
     assert other is not first and client._training_split(cfg, 0, 2, model) is first  # silos side by side
     plain = parse_config({**cfg.values, "train.cache-frozen": False})
     assert not isinstance(client._training_split(plain, 0, 2, model), CachedPrefixSplit)
+
+
+def test_a_silo_can_carry_its_adam_state_across_rounds(tiny3_dir):
+    """train.optimizer-state = "run": round 2 resumes round 1's Adam moments and step count."""
+    params = DPSGDParams(noise_multiplier=0.7, clip=0.05, batch_size=24, local_steps=2)
+    outcomes = []
+    for carry in (None, {}):
+        _, model, shard = setup(tiny3_dir)
+        for r in range(2):
+            dp_sgd_train_local(model, shard, params=params, lr=0.01, sampling_generator=torch.Generator().manual_seed(r),
+                               noise_generator=torch.Generator().manual_seed(10 + r), device=CPU, optimizer_carry=carry)
+        outcomes.append((carry, _adapters(model)))
+    (_, fresh), (carry, carried) = outcomes
+    steps = {int(s["step"]) for s in carry["state"]["state"].values()}
+    assert steps == {4}  # 2 rounds x 2 steps, one Adam
+    assert any(not torch.allclose(fresh[k], carried[k]) for k in fresh)  # the moments changed round 2
+    # another trainable set (FFA-LoRA freezes A) ignores a state that does not fit
+    _, model, shard = setup(tiny3_dir)
+    M.set_trainable(model, train_a=False, train_b=True)
+    dp_sgd_train_local(model, shard, params=params, lr=0.01, sampling_generator=torch.Generator().manual_seed(0),
+                       noise_generator=torch.Generator().manual_seed(1), device=CPU, optimizer_carry=carry)
+    assert {int(s["step"]) for s in carry["state"]["state"].values()} == {2}
