@@ -16,6 +16,7 @@ rounds). Any exception becomes an error reply, which the server drops and logs.
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import time
@@ -176,6 +177,27 @@ def _save_ledger(context: Context, ledger: SiloLedger, paid: list) -> None:
         write_atomic(path, state)
 
 
+OPTIMIZER_KEY = "optimizer-state"
+
+
+def _optimizer_carry(context: Context, cfg: RunConfig) -> dict | None:
+    """``train.optimizer-state = "run"``: the silo's optimizer state from its previous round (empty
+    before its first), kept in its Context.state; None: a fresh optimizer every round."""
+    if cfg["train.optimizer-state"] != "run":
+        return None
+    record = context.state.config_records.get(OPTIMIZER_KEY)
+    if record is None:
+        return {}
+    return torch.load(io.BytesIO(record["state"]), weights_only=True)
+
+
+def _keep_optimizer_carry(context: Context, carry: dict | None) -> None:
+    if carry:
+        buf = io.BytesIO()
+        torch.save(carry, buf)
+        context.state[OPTIMIZER_KEY] = ConfigRecord({"state": buf.getvalue()})
+
+
 def _release_key(cfg: RunConfig, server_round: int) -> str | None:
     """A seeded round's identity: the same run configuration and round give the same draws, hence
     the same release (a resumed run re-running a round the silo already paid for). Hardened: None."""
@@ -247,12 +269,13 @@ def train(msg: Message, context: Context) -> Message:
     streams = silo_randomness(noise, pid, server_round)
     device = next(model.parameters()).device
     lr = round_lr(cfg["train.lr"], cfg["train.lr-schedule"], server_round, cfg["num-server-rounds"])
+    carry = _optimizer_carry(context, cfg)
     t0 = time.perf_counter()
     if ledger is not None:
         stats = dp_sgd_train_local(model, data, params=params, lr=lr,
                                    sampling_generator=streams.sampling, noise_generator=streams.dp_noise,
                                    secure_noise=noise.hardened, device=device, dropout_seed=streams.dropout_seed,
-                                   optimizer=cfg["train.optimizer"])
+                                   optimizer=cfg["train.optimizer"], optimizer_carry=carry)
         if charge:  # a seeded round re-run with the same parameters is the same release: paid once
             ledger.record(sample_rate, params.noise_multiplier, params.local_steps)
             if key is not None:
@@ -262,8 +285,9 @@ def train(msg: Message, context: Context) -> Message:
         stats = train_local(
             model, data, steps=cfg["train.local-steps"], batch_size=cfg["train.batch-size"], lr=lr,
             generator=streams.sampling, poisson=(cfg["dp.level"] == "sample"), device=device,
-            dropout_seed=streams.dropout_seed, optimizer=cfg["train.optimizer"],
+            dropout_seed=streams.dropout_seed, optimizer=cfg["train.optimizer"], optimizer_carry=carry,
         )
+    _keep_optimizer_carry(context, carry)
     content = RecordDict({"arrays": ArrayRecord(_reply_state(model, train_lora))})
     if _sends_train_metrics(context, cfg):
         metrics = {

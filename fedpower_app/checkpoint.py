@@ -45,7 +45,8 @@ RESUMABLE_KEYS = ("resume", "strategy.round-timeout", "eval.batch-size")
 # Keys added after checkpoints were first written, each with the value that reproduces the runs made
 # before it existed. At that value a key is left out of the fingerprint, so those checkpoints resume.
 ADDED_KEYS = {"task.dirichlet-alpha": 0.0, "dp.diagnostics": "off", "task.validation-rows": 0,
-              "lora.top-layers": 0, "train.cache-frozen": False}
+              "lora.top-layers": 0, "train.cache-frozen": False,
+              "train.optimizer-state": "round"}
 
 
 def _fingerprinted(config: dict[str, Any]) -> dict[str, Any]:

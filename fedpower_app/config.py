@@ -17,7 +17,7 @@ PROJECT_ROOT = Path(__file__).resolve().parents[1]
 # Every choice list lives in fedpower_app.choices (one home); re-exported here for the callers.
 from .choices import (  # noqa: E402
     ACCOUNTANTS, CALIBRATIONS, CLIENT_REFACTORIZATIONS, DEVICES, DIAGNOSTICS, DP_LEVELS, LOCAL_OPTIMIZERS,
-    LR_SCHEDULES, NOISE_AT, NOISE_MODES, SAMPLE_MODES, STRATEGIES, TASKS,
+    LR_SCHEDULES, NOISE_AT, OPTIMIZER_STATES, NOISE_MODES, SAMPLE_MODES, STRATEGIES, TASKS,
 )
 
 
@@ -84,6 +84,7 @@ SCHEMA: dict[str, tuple[type, Callable[[Any], str | None] | None]] = {
     "train.lr": (float, _pos),
     "train.lr-schedule": (str, _in(LR_SCHEDULES)),
     "train.optimizer": (str, _in(LOCAL_OPTIMIZERS)),
+    "train.optimizer-state": (str, _in(OPTIMIZER_STATES)),
     "train.cache-frozen": (bool, None),
     "eval.batch-size": (int, _min1),
     "eval.every": (int, _min1),

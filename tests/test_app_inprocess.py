@@ -139,3 +139,26 @@ def test_grid_logs_progress_of_a_long_batch_and_can_forget_sent_messages(caplog)
         replies = grid.send_and_receive(msgs)
     assert len(replies) == 5 and grid.sent == []
     assert "in-process grid: 4/5 query messages answered" in caplog.text
+
+
+def test_silos_carry_their_optimizer_and_train_on_the_frozen_prefix_cache(tmp_path):
+    """train.optimizer-state = "run" keeps each silo's Adam in its Context.state across rounds, and
+    train.cache-frozen with lora.top-layers trains on the cached frozen layers; the run completes
+    with DP-SGD on the silos and accounts as usual."""
+    cfg_over = {"num-server-rounds": 2, "strategy.name": "fedlora", "train.optimizer-state": "run",
+                "lora.top-layers": 2, "train.cache-frozen": True}
+    cfg = parse_config({**TINY, "output-dir": str(tmp_path), "run-name": "run", **cfg_over})
+    grid = InProcessGrid(client_app, 2, cfg.to_dict())
+    run_dir = server.run_directory(cfg)
+    server._run(grid, cfg, run_dir, ResultsWriter(run_dir, cfg.to_dict()))
+    res = json.loads((run_dir / "results.json").read_text())
+    assert res["status"] == "completed" and len(res["rounds"]) == 2
+    assert 0 < res["rounds"][-1]["epsilon"] <= 8.0 * (1 + 1e-6)
+    from client_app.app import OPTIMIZER_KEY, _PREFIX_CACHES, _optimizer_carry
+
+    for context in grid._contexts.values():
+        carry = _optimizer_carry(context, cfg)
+        steps = {int(s["step"]) for s in carry["state"]["state"].values()}
+        assert steps == {2 * TINY["train.local-steps"]}  # one Adam over both rounds
+        assert OPTIMIZER_KEY in context.state.config_records
+    assert sorted(key[1] for key in _PREFIX_CACHES) == [0, 1]  # each silo's cache, built once and kept
