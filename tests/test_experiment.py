@@ -307,7 +307,7 @@ def test_inprocess_workers_share_a_grid_cell_by_cell(tmp_path, monkeypatch):
         write_cell(out, cell, fake_results([0.6]))
         return {"status": "completed", "seconds": 1.0}
 
-    monkeypatch.setattr(X, "run_cell", fake_run_cell)
+    monkeypatch.setattr(X.runner, "run_cell", fake_run_cell)
     logged = []
     summary = X.run_grid(spec, tmp_path, log=logged.append)
     assert summary["ran"] == [second.cell_id] and summary["unfinished"] == [first.cell_id]
@@ -362,7 +362,7 @@ def test_grid_locks_tolerate_probes_failures_and_count_only_own_work(tmp_path, m
         raise OSError("disk full")
 
     with monkeypatch.context() as m:
-        m.setattr(X, "Manifest", broken_manifest)
+        m.setattr(X.runner, "Manifest", broken_manifest)
         with pytest.raises(OSError, match="disk full"):
             X.run_grid(spec, tmp_path, log=lambda msg: None)
     exclusive = X._try_lock(tmp_path / ".grid.lock")
@@ -376,7 +376,7 @@ def test_grid_locks_tolerate_probes_failures_and_count_only_own_work(tmp_path, m
         write_cell(out, cell, fake_results([0.6]))
         return {"status": "completed", "seconds": 1.0}
 
-    monkeypatch.setattr(X, "run_cell", fake_run_cell)
+    monkeypatch.setattr(X.runner, "run_cell", fake_run_cell)
     logged: list[str] = []
     summary = X.run_grid(spec, tmp_path, log=logged.append)
     assert summary["ran"] == [first.cell_id, second.cell_id] and summary["running_elsewhere"] == [third.cell_id]
@@ -391,7 +391,7 @@ def test_resume_skips_finished_cells(tmp_path, monkeypatch):
     for cell in cells:
         write_cell(tmp_path, cell, fake_results([0.6, 0.7]))
     calls = []
-    monkeypatch.setattr(X, "run_cell", lambda *a, **k: calls.append(a) or {})
+    monkeypatch.setattr(X.runner, "run_cell", lambda *a, **k: calls.append(a) or {})
     import fedpower_app.launcher as L
 
     monkeypatch.setattr(L, "stop_local_superlink", lambda *a, **k: calls.append("stop"))
@@ -424,7 +424,7 @@ def test_resume_reruns_failed_and_interrupted_cells(tmp_path, monkeypatch):
         write_cell(out, cell, fake_results([0.55, 0.65], status="stopped-budget"))
         return {"status": X.cell_status(out, cell)}
 
-    monkeypatch.setattr(X, "run_cell", fake_run_cell)
+    monkeypatch.setattr(X.runner, "run_cell", fake_run_cell)
     import fedpower_app.launcher as L
 
     monkeypatch.setattr(L, "stop_local_superlink", lambda *a, **k: None)
@@ -433,7 +433,7 @@ def test_resume_reruns_failed_and_interrupted_cells(tmp_path, monkeypatch):
     assert ran == [failed.cell_id] and summary["unfinished"] == []
     assert any("re-running 1" in line and failed.cell_id in line for line in logs)
     # a cell that keeps failing is reported and makes the CLI exit 1
-    monkeypatch.setattr(X, "run_cell", lambda spec_, cell, out, **kw: {"status": "failed", "error": "boom"})
+    monkeypatch.setattr(X.runner, "run_cell", lambda spec_, cell, out, **kw: {"status": "failed", "error": "boom"})
     write_cell(tmp_path, done, {"status": "running", "rounds": []})  # interrupted run
     summary = X.run_grid(spec, tmp_path, log=logs.append)
     assert summary["failed"] == [done.cell_id] and summary["unfinished"] == [done.cell_id]
@@ -443,7 +443,7 @@ def test_resume_reruns_failed_and_interrupted_cells(tmp_path, monkeypatch):
 def test_grid_stops_after_consecutive_failures(tmp_path, monkeypatch):
     spec = tiny_spec(seeds=[0, 1, 2])  # 6 cells
     ran = []
-    monkeypatch.setattr(X, "run_cell", lambda spec_, cell, out, **kw: ran.append(cell.cell_id) or {"status": "missing"})
+    monkeypatch.setattr(X.runner, "run_cell", lambda spec_, cell, out, **kw: ran.append(cell.cell_id) or {"status": "missing"})
     import fedpower_app.launcher as L
 
     monkeypatch.setattr(L, "stop_local_superlink", lambda *a, **k: None)
@@ -493,7 +493,7 @@ def test_interrupted_cell_resumes_from_its_checkpoint(tmp_path, monkeypatch):
     _interrupted_cell(tmp_path, spec, cell)
     calls = []
     monkeypatch.setattr(L, "run_flwr", _fake_run_flwr(tmp_path, cell, calls, [""]))
-    monkeypatch.setattr(X, "_stop_run", lambda *a, **k: None)
+    monkeypatch.setattr(X.backends, "_stop_run", lambda *a, **k: None)
     entry = X.run_cell(spec, cell, tmp_path, flwr_home=tmp_path / "home", port=1, echo=False, timeout=None,
                        keep_adapters=False)
     assert calls == [{"resume": True, "checkpoint": True}]  # the checkpoint was kept and resumed
@@ -527,7 +527,7 @@ def test_interrupted_cell_with_other_overrides_or_a_bad_checkpoint_starts_over(t
 
     spec = tiny_spec()
     cell = spec.cells()[0]
-    monkeypatch.setattr(X, "_stop_run", lambda *a, **k: None)
+    monkeypatch.setattr(X.backends, "_stop_run", lambda *a, **k: None)
     # another configuration (the grid file changed since): never resumed
     _interrupted_cell(tmp_path, spec, cell, overrides={**X.cell_overrides(spec, cell, tmp_path), "train.lr": 9.0})
     calls = []
