@@ -38,7 +38,7 @@ def nothing_may_start(monkeypatch):
     monkeypatch.setattr(subprocess, "Popen", forbidden)
     monkeypatch.setattr(subprocess, "run", forbidden)
     monkeypatch.setattr(L.LocalSuperLink, "start", forbidden)
-    monkeypatch.setattr(L, "run_flwr", forbidden)
+    monkeypatch.setattr(L.cli, "run_flwr", forbidden)
 
 
 BAD = [
@@ -156,8 +156,8 @@ def fake_superlink(tmp_path, monkeypatch):
     script = tmp_path / "fake_superlink.py"
     script.write_text(FAKE_SUPERLINK)
     pidfile = tmp_path / "pids.json"
-    monkeypatch.setattr(L, "_superlink_command", lambda port, env: [sys.executable, str(script), str(port), str(pidfile)])
-    monkeypatch.setattr(L, "STOP_GRACE_SECONDS", 1.5)
+    monkeypatch.setattr(L.superlink, "_superlink_command", lambda port, env: [sys.executable, str(script), str(port), str(pidfile)])
+    monkeypatch.setattr(L.processes, "STOP_GRACE_SECONDS", 1.5)
 
     def tree() -> list[int]:
         deadline = time.time() + 30
@@ -201,7 +201,7 @@ def test_run_that_raises_stops_the_whole_superlink_tree(error, fake_superlink, t
         assert all(_running(p) for p in seen["pids"])
         raise error
 
-    monkeypatch.setattr(L, "_stream", exploding_stream)
+    monkeypatch.setattr(L.flwr_run, "_stream", exploding_stream)
     before = list(L._STARTED)
     with pytest.raises(type(error)):
         L.run_flwr(PROJECT_ROOT, {"num-server-rounds": 1}, flwr_home=tmp_path / "home", echo=False,
@@ -223,8 +223,8 @@ def test_completed_run_stops_the_superlink_and_returns_the_status(fake_superlink
         seen["config"] = (Path(env["FLWR_HOME"]) / "config.toml").read_text()
         return "42", 0, "Successfully started run 42\n", False
 
-    monkeypatch.setattr(L, "_stream", stream)
-    monkeypatch.setattr(L, "run_status", lambda run_id, env, connection=None: "finished:completed")
+    monkeypatch.setattr(L.flwr_run, "_stream", stream)
+    monkeypatch.setattr(L.flwr_run, "run_status", lambda run_id, env, connection=None: "finished:completed")
     outcome = L.run_flwr(PROJECT_ROOT, {}, flwr_home=tmp_path / "home", echo=False, keep_superlink=False,
                          superlink_port=L.free_port())
     assert outcome.ok and outcome.run_id == "42"
@@ -235,8 +235,8 @@ def test_completed_run_stops_the_superlink_and_returns_the_status(fake_superlink
 
 def test_kept_superlink_is_reused_then_stopped_by_pid(fake_superlink, tmp_path, monkeypatch):
     """Library use (fedpower-experiment): one SuperLink for several runs, stopped by stop_local_superlink."""
-    monkeypatch.setattr(L, "_stream", lambda cmd, env, **kw: ("1", 0, "", False))
-    monkeypatch.setattr(L, "run_status", lambda run_id, env, connection=None: "finished:completed")
+    monkeypatch.setattr(L.flwr_run, "_stream", lambda cmd, env, **kw: ("1", 0, "", False))
+    monkeypatch.setattr(L.flwr_run, "run_status", lambda run_id, env, connection=None: "finished:completed")
     home = tmp_path / "home"
     before = list(L._STARTED)
     L.run_flwr(PROJECT_ROOT, {}, flwr_home=home, echo=False)
@@ -271,9 +271,9 @@ def test_sigterm_to_fedpower_run_stops_everything(fake_superlink, tmp_path):
     driver.write_text(textwrap.dedent(f"""
         import sys
         from fedpower_app import launcher as L
-        L._superlink_command = lambda port, env: [sys.executable, {str(script)!r}, str(port), {str(pidfile)!r}]
-        L._flwr = lambda: {str(fake_flwr)!r}
-        L.STOP_GRACE_SECONDS = 1.5
+        L.superlink._superlink_command = lambda port, env: [sys.executable, {str(script)!r}, str(port), {str(pidfile)!r}]
+        L.flwr_run._flwr = lambda: {str(fake_flwr)!r}
+        L.processes.STOP_GRACE_SECONDS = 1.5
         sys.exit(L.main(["--preset", {TINY!r}, "--flwr-home", {str(tmp_path / "home")!r}]))
     """))
     proc = subprocess.Popen([sys.executable, str(driver)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -300,7 +300,7 @@ def test_timeout_stops_a_silent_flwr_run(fake_superlink, tmp_path, monkeypatch):
     fake_flwr = tmp_path / "flwr"
     fake_flwr.write_text(f"#!{sys.executable}\nimport sys, time\nif sys.argv[1] == 'run':\n    time.sleep(600)\n")
     fake_flwr.chmod(0o755)
-    monkeypatch.setattr(L, "_flwr", lambda: str(fake_flwr))
+    monkeypatch.setattr(L.flwr_run, "_flwr", lambda: str(fake_flwr))
     t0 = time.time()
     outcome = L.run_flwr(PROJECT_ROOT, {}, flwr_home=tmp_path / "home", echo=False, timeout=1.5, keep_superlink=False)
     assert time.time() - t0 < 20
@@ -393,8 +393,8 @@ def test_a_busy_port_is_never_shared(fake_superlink, tmp_path, monkeypatch, caps
     port reuse it."""
     import socket
 
-    monkeypatch.setattr(L, "_stream", lambda cmd, env, **kw: ("1", 0, "", False))
-    monkeypatch.setattr(L, "run_status", lambda run_id, env, connection=None: "finished:completed")
+    monkeypatch.setattr(L.flwr_run, "_stream", lambda cmd, env, **kw: ("1", 0, "", False))
+    monkeypatch.setattr(L.flwr_run, "run_status", lambda run_id, env, connection=None: "finished:completed")
     with socket.socket() as other:
         other.bind(("127.0.0.1", 0))
         other.listen()

@@ -27,7 +27,7 @@ def test_fedpower_run_says_which_preset_it_applied(presets, capsys, monkeypatch)
     from fedpower_app import launcher as L
 
     seen = {}
-    monkeypatch.setattr(L, "check_launch", lambda overrides, **kw: seen.update(overrides) or (_ for _ in ()).throw(
+    monkeypatch.setattr(L.cli, "check_launch", lambda overrides, **kw: seen.update(overrides) or (_ for _ in ()).throw(
         CFG.ConfigError("stop here")))
     assert L.main(["--set", 'strategy.name="ffa-lora"', "--set", "train.lr=0.02"]) == 2
     out = capsys.readouterr().out

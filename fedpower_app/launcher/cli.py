@@ -1,0 +1,278 @@
+"""``fedpower-run``: run the app through ``flwr run`` on a SuperLink this process owns, and report
+the run's real status.
+
+    fedpower-run                                   # default config, 6 simulated silos
+    fedpower-run --preset conf/tiny.toml --set num-server-rounds=3 --set strategy.name='"fedlora"'
+    fedpower-run --verbose ...                     # everything Flower, Ray and transformers print
+
+What it does, in order:
+
+1. **Validates the configuration before anything starts.** pyproject defaults + ``--preset`` +
+   ``--set`` go through :func:`fedpower_app.config.validate_overrides` (the ServerApp's own
+   ``parse_config``), plus the checks that involve the simulation flags or the file system
+   (``--supernodes`` against ``strategy.min-nodes``, ``device = "cuda"`` without
+   ``--gpus-per-client``, a ``task.data-dir`` that does not exist). A bad value exits 2 with one
+   line naming the key, in well under a second, without starting any process.
+2. **Starts its own SuperLink** as a child process: ``flower-superlink --insecure --simulation
+   --isolation subprocess --host 127.0.0.1 --port <port> --database :flwr-in-memory:
+   --disable-runtime-dependency-installation``, in a new session (``start_new_session=True``), and
+   waits until its HTTP API (Control, Fleet and Runtime APIs share one port in Flower 1.41)
+   answers ``/health``. The port: free, and stable per ``--flwr-home`` when that port is free; a
+   busy requested port is replaced by a free one (never share a SuperLink someone else started). Its
+   output goes to ``$FLWR_HOME/fedpower-run/<pid>-<port>/superlink.log``, kept only if it fails
+   to start.
+3. **Runs** ``flwr run <app> fedpower-run --stream`` against it. The connection
+   ``fedpower-run`` (explicit address ``127.0.0.1:<port>``, ``insecure = true``) lives in the
+   ``config.toml`` of a private CLI home (``$FLWR_HOME/fedpower-run/<pid>-<port>/``), given to the
+   ``flwr`` CLI processes only as their ``FLWR_HOME``; the user's ``$FLWR_HOME/config.toml`` is
+   never touched. The SuperLink and the simulation keep the real ``FLWR_HOME`` (installed apps).
+   ``--federation-config "num-supernodes=..."`` works as with ``:local:`` (it is a per-run
+   ``SimulationConfig`` that any ``--simulation`` SuperLink accepts).
+4. **Checks the status** with ``flwr ls --run-id <id> --format json`` while the SuperLink is still
+   up (``flwr run`` exits 0 when a run fails), stops a run that is still going (``flwr stop``).
+5. **Stops everything it started, by PID**, in a ``finally`` (success, failure, Ctrl-C, SIGTERM,
+   SIGHUP): :func:`terminate_tree` snapshots the SuperLink's descendants (``flower-superexec``
+   runs in a session of its own, ``flwr-simulation`` and Ray below it), sends SIGTERM to the
+   process groups they lead and to each PID, waits :data:`STOP_GRACE_SECONDS`, then SIGKILLs what
+   is left. ``fedpower-run`` is also a child subreaper (``PR_SET_CHILD_SUBREAPER``), so processes
+   orphaned on the way (e.g. ``flwr-simulation`` once its SuperExec exited) come back to it and
+   are stopped and reaped rather than left as zombies. A second Ctrl-C during this cleanup is
+   deferred, not allowed to interrupt it. Nothing is ever matched by name or pattern.
+
+Why not ``flwr run`` with the ``:local:`` connection: it spawns a *detached, persistent*
+``flower-superlink`` (``flwr/cli/local_superlink.py``) whose PID nobody records, shared by every
+user of the same port, which leaves the SuperLink, a SuperExec and a zombie ``flwr-simulation``
+behind and could only be stopped by pattern (``pkill -f``). An explicit-address connection also
+means a dead SuperLink gives a connection error instead of silently spawning a new detached one.
+
+Library use (:func:`run_flwr`, e.g. ``fedpower-experiment``): by default the SuperLink is kept for
+the next call with the same ``flwr_home`` (a grid of cells reuses it; ``flwr ls``/``flwr stop``
+with ``flwr_env(flwr_home, port)`` reach it between calls) and stopped by
+:func:`stop_local_superlink`, at interpreter exit, or - when started from the main thread - by the
+kernel if this process dies (``PR_SET_PDEATHSIG``). ``keep_superlink=False`` stops it before
+returning; ``fedpower-run`` always does.
+
+Console: unless ``--verbose``, known-harmless noise is switched off in the environment of the
+processes started (:data:`QUIET_ENV`: Ray's and transformers' FutureWarnings, torch's warning under
+Opacus' hooks, model-loading progress bars) and hidden from the streamed output
+(:data:`NOISE_PATTERNS`, :class:`ConsoleFilter`: Flower notices, Flower records repeated by the
+root logger, a traceback repeated verbatim); the full output is still returned in
+:class:`RunOutcome`. A failed run ends with one ``fedpower-run: error`` line naming the run's
+status and the exception that caused it. ``--verbose`` shows everything, with Flower's DEBUG log.
+
+Exit codes: 0 run completed, 1 run failed (or stopped), 2 bad arguments or configuration, or the
+SuperLink could not be started, 130 interrupted (Ctrl-C, SIGTERM, SIGHUP).
+"""
+
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+from ..config import PROJECT_ROOT, ConfigError, RunConfig, load_preset, validate_overrides, with_method_preset
+
+from .flwr_cli import _home
+from .processes import _DeferSignals, _Terminated, _become_subreaper, _on_signal, _stop_orphans
+from .flwr_run import run_flwr
+
+
+def _shown_path(path: Path) -> str:
+    """A project file relative to the project (as the README names it), any other path in full."""
+    try:
+        return str(Path(path).resolve().relative_to(PROJECT_ROOT))
+    except ValueError:
+        return str(path)
+
+
+def parse_set(items) -> dict[str, Any]:
+    """``--set key=value`` items as a dict; values are TOML, a bare word is taken as a string."""
+    import tomllib
+
+    out = {}
+    for item in items:
+        if "=" not in item:
+            raise ConfigError(f"--set expects key=value, got {item!r}")
+        key, raw = item.split("=", 1)
+        try:
+            out[key.strip()] = tomllib.loads(f"v = {raw}")["v"]
+        except tomllib.TOMLDecodeError:
+            out[key.strip()] = raw  # bare word: treat as a string
+    return out
+
+
+def resume_overrides(run_dir: str | Path) -> dict[str, Any]:
+    """The run config of a run to resume: its resolved config (results.json), with ``resume`` set,
+    checked against its checkpoint now, so a refused checkpoint fails before anything starts."""
+    from ..checkpoint import CheckpointError, load_checkpoint
+
+    run_dir = Path(run_dir).expanduser().resolve()
+    try:
+        config = json.loads((run_dir / "results.json").read_text())["config"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(f"--resume {run_dir}: no readable results.json with the run's config ({exc})") from None
+    config = {**config, "resume": True, "output-dir": str(run_dir.parent), "run-name": run_dir.name}
+    try:
+        load_checkpoint(run_dir, config=config, strategy=str(config.get("strategy.name")))
+    except CheckpointError as exc:
+        raise ConfigError(f"--resume: {exc}") from None
+    return config
+
+
+def resumed_supernodes(run_dir: str | Path, requested: int | None) -> int:
+    """The number of simulated silos of the run being resumed (results.json ``clients.count``): a
+    resume with another number would be another population, which the server refuses. A
+    ``--supernodes`` that disagrees fails here, before anything starts."""
+    run_dir = Path(run_dir).expanduser().resolve()
+    try:
+        count = int(json.loads((run_dir / "results.json").read_text())["clients"]["count"])
+    except (OSError, ValueError, KeyError, TypeError):
+        count = None  # killed before its silos answered: nothing recorded, nothing to contradict
+    if count is None:
+        return 6 if requested is None else requested
+    if requested is not None and requested != count:
+        raise ConfigError(f"--resume {run_dir}: the run had {count} silos; --supernodes {requested} would be "
+                          "another population (leave --supernodes out to resume with the run's own)")
+    return count
+
+
+def check_launch(overrides: dict[str, Any], *, app_dir: str | Path = PROJECT_ROOT, num_supernodes: int = 6,
+                 cpus_per_client: float = 1, gpus_per_client: float = 0.0,
+                 flwr_home: str | Path | None = None) -> RunConfig:
+    """Every check that needs no data, before anything starts: the merged run config as the ServerApp
+    will validate it, and its consistency with the simulation flags. Raises ConfigError."""
+    pyproject = Path(app_dir) / "pyproject.toml"
+    cfg = validate_overrides(overrides, pyproject=pyproject if pyproject.exists() else None)
+    if num_supernodes < 1:
+        raise ConfigError(f"--supernodes must be >= 1, got {num_supernodes}")
+    if num_supernodes < cfg["strategy.min-nodes"]:
+        raise ConfigError(f"config key 'strategy.min-nodes' = {cfg['strategy.min-nodes']} exceeds --supernodes "
+                          f"{num_supernodes}: the run would wait strategy.round-timeout for nodes that never come")
+    if cpus_per_client <= 0:
+        raise ConfigError(f"--cpus-per-client must be > 0, got {cpus_per_client:g}")
+    if gpus_per_client < 0:
+        raise ConfigError(f"--gpus-per-client must be >= 0, got {gpus_per_client:g}")
+    data_dir = cfg["task.data-dir"].strip()
+    if data_dir and not Path(data_dir).expanduser().exists():
+        raise ConfigError(f"config key 'task.data-dir' = {data_dir!r} does not exist (relative paths are resolved "
+                          f"against the current directory {Path.cwd()})")
+    if cfg["device"] == "cuda" and gpus_per_client == 0:
+        raise ConfigError("config key 'device' = 'cuda' needs --gpus-per-client > 0 (Ray hides the GPUs from "
+                          "ClientApps that reserve none)")
+    home, app = _home(flwr_home), Path(app_dir).expanduser().resolve()
+    if home == app or app in home.parents:
+        raise ConfigError(f"the Flower home {home} is inside the app directory {app}: `flwr run` would package the "
+                          "installed apps into the FAB; use --flwr-home outside it")
+    check_data(cfg, num_supernodes)
+    return cfg
+
+
+def check_data(cfg: RunConfig, num_supernodes: int) -> None:
+    """Read the task's data as the silos will (local files, or the generated task) and check that
+    every silo's shard can hold a batch; raises ConfigError naming the file, line or sizes. GLUE
+    from the hub is left to the run (no download before it starts)."""
+    from ..data import load_task, shard_size_problem
+
+    if cfg["task.train-rows"]:
+        n = None  # the listed rows decide; read them
+    elif cfg["task.name"] == "synthetic":
+        n = cfg["task.synthetic-train-size"]  # known without generating it
+    elif not cfg["task.data-dir"].strip():
+        return
+    else:
+        n = None
+    if n is None:
+        try:
+            n = len(load_task(cfg).train)
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"task data: {exc}") from None
+    problem = shard_size_problem(n, num_supernodes, cfg["train.batch-size"])
+    if problem:
+        raise ConfigError(problem)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="fedpower-run", description=__doc__.split("\n\n")[0],
+                                epilog="Exit codes: 0 run completed, 1 run failed, 2 bad arguments/config or "
+                                       "launcher error, 130 interrupted. The SuperLink this starts, and every "
+                                       "process below it, is stopped before it exits.")
+    p.add_argument("--app", default=str(PROJECT_ROOT), help="app directory (default: this project)")
+    p.add_argument("--preset", help="a conf/*.toml preset")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a run-config key (TOML value)")
+    p.add_argument("--supernodes", type=int, default=None,
+                   help="number of simulated silos (default 6; with --resume, the run's own number)")
+    p.add_argument("--cpus-per-client", type=float, default=1)
+    p.add_argument("--gpus-per-client", type=float, default=0.0, help="fraction of a GPU per ClientApp (e.g. 0.25)")
+    p.add_argument("--flwr-home", default=os.environ.get("FLWR_HOME"), help="Flower home (default ~/.flwr)")
+    p.add_argument("--verbose", action="store_true",
+                   help="show all output (Flower DEBUG log, Ray and library warnings, progress bars)")
+    p.add_argument("--resume", metavar="RUN_DIR",
+                   help="continue a stopped or killed run from its last checkpoint (outputs/<run>); its "
+                        "configuration is read from RUN_DIR/results.json")
+    args = p.parse_args(argv)
+
+    # 1. Everything that needs no data, before any process starts.
+    try:
+        overrides = {**(load_preset(args.preset) if args.preset else {}), **parse_set(args.set)}
+        if args.resume:
+            overrides = {**resume_overrides(args.resume), **overrides}
+            args.supernodes = resumed_supernodes(args.resume, args.supernodes)
+        else:  # the method's tuned settings, where neither the preset nor --set chose (issue #32)
+            overrides, from_method, method_path = with_method_preset(overrides)
+            if from_method:
+                print(f"fedpower-run: {overrides.get('strategy.name')} runs at its method preset "
+                      f"{_shown_path(method_path)}: "
+                      + ", ".join(f"{k}={v!r}" for k, v in from_method.items()) + " (a --set of a key wins)",
+                      flush=True)
+        if args.supernodes is None:
+            args.supernodes = 6
+        check_launch(overrides, app_dir=args.app, num_supernodes=args.supernodes,
+                     cpus_per_client=args.cpus_per_client, gpus_per_client=args.gpus_per_client,
+                     flwr_home=args.flwr_home)
+    except ConfigError as exc:
+        print(f"fedpower-run: error: {exc}", file=sys.stderr)
+        return 2
+    except (ValueError, OSError) as exc:  # unreadable or malformed preset
+        print(f"fedpower-run: error: preset {args.preset}: {exc}", file=sys.stderr)
+        return 2
+
+    # 2. The run, on a SuperLink stopped (by PID) whatever happens.
+    subreaper = _become_subreaper()
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            previous[sig] = signal.signal(sig, _on_signal)
+    try:
+        outcome = run_flwr(args.app, overrides, num_supernodes=args.supernodes,
+                           cpus_per_client=args.cpus_per_client, gpus_per_client=args.gpus_per_client,
+                           flwr_home=args.flwr_home, verbose=args.verbose, keep_superlink=False)
+    except KeyboardInterrupt as exc:
+        what = "terminated" if isinstance(exc, _Terminated) else "interrupted"
+        print(f"\nfedpower-run: {what}; the SuperLink and every process it started were stopped", file=sys.stderr)
+        return 130
+    except (ConfigError, RuntimeError, OSError) as exc:
+        print(f"fedpower-run: error: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        if subreaper:
+            with _DeferSignals(reraise=False):  # main is ending anyway
+                _stop_orphans()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if outcome.ok:
+        print(f"\nfedpower-run: run {outcome.run_id} completed in {outcome.seconds:.0f} s")
+        return 0
+    error = outcome.error_summary()
+    print(f"\nfedpower-run: error: run {outcome.run_id} {outcome.status} after {outcome.seconds:.0f} s"
+          + (f": {error}" if error else ""), file=sys.stderr)
+    return 1
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
