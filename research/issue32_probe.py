@@ -3,7 +3,7 @@
 Settings are chosen on ``val`` (``--val-size`` rows of the train split, seeded, never trained on);
 the dev split is only reported. The rest of the train split is cut into ``--silos`` IID shards and
 the run trains on the first ``--use-silos`` of them concatenated (1: the single-silo proxy of
-``benchmarks.dp_sgd_proxy``; ``--silos``: central training on all the remaining rows).
+``research.dp_sgd_proxy``; ``--silos``: central training on all the remaining rows).
 
 Modes
 * ``plain``: non-private, one optimizer (Adam) for the whole run, ``--steps`` steps of batch

@@ -235,10 +235,10 @@ def test_client_level_runs_release_deltas_through_the_real_apps(tmp_path, name, 
 
 
 def test_noise_reaching_w_matches_the_derivation_in_results():
-    """benchmarks/noise_in_w.py (RESULTS.md, "Where FedPower's noise goes"): at round 1 (B_g = 0,
+    """research/noise_in_w.py (RESULTS.md, "Where FedPower's noise goes"): at round 1 (B_g = 0,
     A_g PEFT's init with A A^T ~ I/3) FedLoRA's noise reaches W as s*sqrt(m*||A||^2) = 32 s, and
     PowerDP-L's as its block std * sqrt(r n), 2 sqrt(3) ~ 3.46 times more at the same z, C, m."""
-    from benchmarks.noise_in_w import measure, method_configs
+    from research.noise_in_w import measure, method_configs
     from fedpower_app.config import PROJECT_ROOT
 
     configs = method_configs(str(PROJECT_ROOT / "conf/cross-device-sst2.toml"))  # C 2, 2 power iterations for all

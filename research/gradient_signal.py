@@ -12,8 +12,8 @@ For a configuration (pyproject defaults + ``--set``), at the initial adapters, o
   gradient has norm sigma * C * sqrt(d) / b, so noise/signal = sigma * sqrt(d) / (b * ratio).
   The server's average over k silos divides the noise by sqrt(k).
 
-    python -m benchmarks.gradient_signal                       # the default run
-    python -m benchmarks.gradient_signal --set model.target-modules='"value"' --set lora.rank=2
+    python -m research.gradient_signal                       # the default run
+    python -m research.gradient_signal --set model.target-modules='"value"' --set lora.rank=2
 
 It reports per module group so that a user can see where the signal is dense. Figures in RESULTS.md.
 """

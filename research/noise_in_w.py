@@ -10,8 +10,8 @@ over m), so these norms compare the methods' signal-to-noise directly.
 The global is PEFT's initial adapter (A kaiming-uniform, variance 1/(3n); B = 0), as in round 1,
 or with ``--b-std`` a B with entries of that std (FedLoRA's noise on A enters W through B).
 
-    python -m benchmarks.noise_in_w --grid conf/grids/cross-device-sst2.toml      # the grid's cells
-    python -m benchmarks.noise_in_w --preset conf/cross-device-sst2.toml --set dp.clip=2.0  # one setting for all
+    python -m research.noise_in_w --grid conf/grids/cross-device-sst2.toml      # the grid's cells
+    python -m research.noise_in_w --preset conf/cross-device-sst2.toml --set dp.clip=2.0  # one setting for all
 """
 
 from __future__ import annotations

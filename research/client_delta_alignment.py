@@ -6,7 +6,7 @@ C·a with a = ||mean_i d_i/||d_i|| ||; the noise on the average is z·C/m per en
 deltas. So a, against z·sqrt(d)/m, says whether a cohort's signal can beat its noise. Also
 prints the mean pairwise cosine (a^2 ~ cos + (1 - cos)/K).
 
-    python -m benchmarks.client_delta_alignment --data-dir /path/to/glue/SST-2 --clients 1000 -K 16 \\
+    python -m research.client_delta_alignment --data-dir /path/to/glue/SST-2 --clients 1000 -K 16 \\
         --variant adam:0.003:4:16 --variant sgd:100:1:64 [--set lora.rank=2]
 
 Each ``--variant`` is optimizer:lr:local-steps:batch-size. Starts from conf/cross-device-sst2.toml.

@@ -11,7 +11,7 @@ In the noise-dominated regime each silo's Adam divides by its own noise std (sig
 federated lr of ~sqrt(k) x the proxy's gives the same step. Figures in RESULTS.md were screened
 here (proxy lr 0.02 ~ federated lr 0.05) and then confirmed with ``fedpower-run``.
 
-    python -m benchmarks.dp_sgd_proxy --set task.synthetic-train-size=300000 --set train.batch-size=500 \\
+    python -m research.dp_sgd_proxy --set task.synthetic-train-size=300000 --set train.batch-size=500 \\
         --set train.local-steps=2 --set train.lr=0.02 --set train.lr-schedule='"cosine"'
 """
 
