@@ -932,3 +932,29 @@ def test_private_method_overrides_apply_to_private_cells_only(tmp_path):
     spec.private_method_overrides = {"fedpower": {"dp.epsilon": 1.0}}
     with pytest.raises(X.GridError, match="private-method-overrides.fedpower: dp.epsilon define"):
         X.validate(spec, out)
+
+
+def test_compact_cells_keep_the_tables_and_drop_the_bulk(tmp_path, capsys):
+    """--report-only --compact: the committed form of a grid's cells; the tables it writes are the same."""
+    import shutil
+
+    src = PROJECT_ROOT / "results" / "cross-device-sst2"
+    out = tmp_path / "grid"
+    shutil.copytree(src, out)
+    assert X.main(["--out", str(out), "--report-only"]) == 0
+    before = {p.name: p.read_text() for p in out.glob("table*.md")}
+    spec = X.GridSpec.from_dict(json.loads((out / "manifest.json").read_text())["grid"])
+    paths = [X.results_path(out, c) for c in X.validate(spec, out) if X.is_finished(out, c)]
+    sizes = {p: p.stat().st_size for p in paths}
+    assert len(sizes) >= 10
+    assert X.main(["--out", str(out), "--report-only", "--compact"]) == 0
+    assert "compacted" in capsys.readouterr().out
+    after = {p.name: p.read_text() for p in out.glob("table*.md")}
+    assert before and after == before
+    for path, size in sizes.items():
+        data = json.loads(path.read_text())
+        assert X.COMPACT_MARK in data and "ledger" not in data.get("privacy_final", {})
+        assert path.stat().st_size < size
+    # a second pass leaves compacted cells alone
+    assert X.main(["--out", str(out), "--report-only", "--compact"]) == 0
+    assert "compacted 0 cell" in capsys.readouterr().out

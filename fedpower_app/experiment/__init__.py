@@ -44,6 +44,9 @@ from .spec import (  # noqa: F401
     validate,
 )
 from .store import (  # noqa: F401
+    COMPACT_MARK,
+    compact_cells,
+    compact_results,
     CODE_PATHS,
     CellProgress,
     GridBusy,

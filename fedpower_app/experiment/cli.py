@@ -74,7 +74,7 @@ from typing import Any, Sequence
 from ..config import TASKS, ConfigError
 
 from .spec import BACKENDS, GridError, GridSpec, TABLE_EPSILONS, TABLE_METHODS, _resolve_path, canonical_method, parse_epsilon, validate
-from .store import _fmt_seconds, grid_status, read_results
+from .store import compact_cells, _fmt_seconds, grid_status, read_results
 from .runner import run_grid
 from .report import write_report
 
@@ -204,6 +204,9 @@ def make_parser() -> argparse.ArgumentParser:
     r.add_argument("--threads", type=int, metavar="N", help="torch threads of an inprocess cell (default: torch's)")
     r.add_argument("--dry-run", action="store_true", help="list the cells, where each stands and the cell time left; run nothing")
     r.add_argument("--report-only", action="store_true", help="only (re)write tables and figures from finished cells")
+    r.add_argument("--compact", action="store_true",
+                   help="with --report-only: also rewrite every finished cell's results.json in the compact form "
+                        "committed to results/ (no ledger history, no per-client size list); tables unchanged")
     r.add_argument("--max-cells", type=int, metavar="N", help="run at most N unfinished cells this time")
     r.add_argument("--max-consecutive-failures", type=int, default=3, metavar="N",
                    help="stop the grid after N failed cells in a row (default 3; 0 = never)")
@@ -264,6 +267,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.report_only and not (out / "cells").is_dir():
         print(f"fedpower-experiment: error: --report-only: no cells in {out} (run the grid first)", file=sys.stderr)
         return 2
+    if args.compact:
+        if not args.report_only:
+            print("fedpower-experiment: error: --compact goes with --report-only", file=sys.stderr)
+            return 2
+        print(f"fedpower-experiment: compacted {compact_cells(out, cells)} cell result(s) in {out}")
     written = write_report(spec, out)
     print(f"fedpower-experiment: wrote {', '.join(t + '.md/.csv' for t in written['tables'])} and "
           f"{len(written['figures'])} figure(s) in {out}")

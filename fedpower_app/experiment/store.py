@@ -333,3 +333,42 @@ def cell_metrics(data: dict[str, Any]) -> dict[str, Any]:
     # server-side mechanisms: the effective multiplier z; DP-SGD on the silos: its sigma
     out["z"] = (privacy.get("calibration") or {}).get("z", privacy.get("noise_multiplier"))
     return out
+
+
+COMPACT_MARK = "compacted"
+
+
+def compact_results(data: dict[str, Any], *, max_sizes: int = 20) -> dict[str, Any]:
+    """A finished run's results.json as committed to ``results/``: everything the tables, figures and
+    ``--report-only`` read (config, privacy summary, rounds, totals, guarantee), without the bulk
+    they do not (each silo's accounting ledger history, the per-client size list of a cross-device
+    run, the adapter's path). The ε every ledger gives is kept."""
+    out = {k: v for k, v in data.items() if k != "adapter_dir"}
+    final = dict(out.get("privacy_final") or {})
+    dropped = [k for k in ("ledger", "ledgers") if k in final]
+    for k in dropped:
+        final.pop(k)
+    if final:
+        out["privacy_final"] = final
+    clients = dict(out.get("clients") or {})
+    sizes = clients.get("dataset_sizes")
+    if isinstance(sizes, list) and len(sizes) > max_sizes:
+        s = sorted(sizes)
+        clients["dataset_sizes"] = {"count": len(s), "min": s[0], "median": s[len(s) // 2], "max": s[-1],
+                                    "total": sum(s)}
+        dropped.append("clients.dataset_sizes")
+        out["clients"] = clients
+    out[COMPACT_MARK] = ("left out: " + ", ".join(dropped)) if dropped else "nothing to leave out"
+    return out
+
+
+def compact_cells(out: Path, cells: Sequence[Cell]) -> int:
+    """Rewrite every finished cell's results.json in compact form; the number rewritten."""
+    n = 0
+    for cell in cells:
+        path = results_path(out, cell)
+        data = read_results(path)
+        if data and data.get("status") in FINISHED and COMPACT_MARK not in data:
+            _write_json(path, compact_results(data))
+            n += 1
+    return n
