@@ -37,15 +37,6 @@ from .training import (PHYSICAL_BATCH_SIZE, TrainStats, _autocast, _seeded_dropo
                        local_optimizer, physical_chunks, resume_optimizer)
 
 
-def clipped_sensitivity(clip: float, head_clip: float = 0.0) -> float:
-    """The L2 bound on one example's clipped gradient, i.e. on its share of a step's clipped sum:
-    C with one joint clip, √(C² + C_h²) with the head clipped apart (GroupClippedDPOptimizer).
-    The formula's home is the mechanism ``dp-sgd`` (strategies/mechanisms.py)."""
-    from strategies.mechanisms import MECHANISMS, SensitivityArgs
-
-    return MECHANISMS["dp-sgd"].sensitivities(SensitivityArgs(clip=clip, level="sample", head_clip=head_clip))[0]
-
-
 @dataclass(frozen=True)
 class DPSGDParams:
     """The DP parameters of one silo's round, as sent by the server and checked by the silo."""
@@ -58,7 +49,12 @@ class DPSGDParams:
 
     @property
     def sensitivity(self) -> float:
-        return clipped_sensitivity(self.clip, self.head_clip)
+        """The L2 bound on one example's clipped gradient (its share of a step's clipped sum): C with
+        one joint clip, √(C² + C_h²) with the head clipped apart. The formula's home is the
+        mechanism ``dp-sgd`` (strategies/mechanisms.py)."""
+        from strategies.mechanisms import dp_sgd_sensitivity
+
+        return dp_sgd_sensitivity(self.clip, self.head_clip)
 
     def sample_rate(self, num_examples: int) -> float:
         return sample_rate(self.batch_size, num_examples)

@@ -310,9 +310,9 @@ class SiloDPSGD(PlanAndCommit):
 
     @property
     def sensitivity(self) -> float:
-        from .dp_sgd import clipped_sensitivity  # the silo's own formula (one home)
+        from strategies.mechanisms import dp_sgd_sensitivity  # the mechanism's formula (one home)
 
-        return clipped_sensitivity(self.clip_norm, self.head_clip)
+        return dp_sgd_sensitivity(self.clip_norm, self.head_clip)
 
     def summary_lines(self) -> list[str]:
         q = max(self.rates.values())

@@ -388,7 +388,9 @@ class PrivacyPlan:
         """The paper's sampling rate in its sigma formula: q_c (client) or q_c * b/mean(n_i) (sample)."""
         if self.level == "client":
             return self.client_rate
-        qs = min(1.0, self.batch_size / (sum(self.client_sizes) / len(self.client_sizes)))
+        from strategies.privacy_contract import sample_rate
+
+        qs = sample_rate(self.batch_size, sum(self.client_sizes) / len(self.client_sizes))
         return self.client_rate * qs
 
     def to_dict(self) -> dict:
