@@ -245,7 +245,7 @@ def test_the_client_level_relation_is_stated_as_zero_out_with_a_public_populatio
 # -- 7. the audit's own claims ----------------------------------------------------------------------
 
 def test_the_audit_ceilings_quoted_are_those_of_its_guesses():
-    from fedpower_app.audit import steinke_ceiling
+    from fedpower_app.audit.bounds import steinke_ceiling
 
     assert steinke_ceiling(1000, 1e-5, guesses=200) == pytest.approx(4.17, abs=0.005)
     assert steinke_ceiling(5000, 1e-5, guesses=1000) == pytest.approx(5.67, abs=0.005)
@@ -254,7 +254,7 @@ def test_the_audit_ceilings_quoted_are_those_of_its_guesses():
 
 
 def test_canary_in_and_out_differ_by_exactly_the_canary():
-    from fedpower_app.membership_audit import AuditPlan
+    from fedpower_app.audit.membership import AuditPlan
 
     plan = AuditPlan(overrides={}, runs=4, seed=3, num_labels=2, pool=list(range(0, 40)), pool_labels=[0] * 40,
                      population=[], population_labels=[], canaries=list(range(100, 110)), canary_labels=[1] * 10,

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fedpower_app import membership_audit as MA
+from fedpower_app.audit import membership as MA
 from fedpower_app.accounting.silo import SiloLedger, dp_sgd_epsilon
 from fedpower_app.config import PROJECT_ROOT, parse_config
 from fedpower_app.data import _load_task_cached, load_task
@@ -154,7 +154,7 @@ def test_report_finds_leakage_and_fails_a_false_claim(tmp_path, capsys):
     captured = capsys.readouterr()
     assert rc == 1 and "AUDIT FAILED" in captured.err
     report = json.loads((out / "report.json").read_text())
-    from fedpower_app.mia import ATTACKS
+    from fedpower_app.audit.attacks import ATTACKS
 
     assert set(report["attacks"]) == set(ATTACKS)
     assert report["attacks"]["lira-online"]["auc"] > 0.8

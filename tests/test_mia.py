@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from fedpower_app import audit, mia
+from fedpower_app.audit import attacks as mia, bounds as audit
 
 
 def gaussian_runs(mu: float, *, runs: int = 8, n: int = 1500, pop: int = 1000, difficulty: float = 0.0, seed: int = 0):

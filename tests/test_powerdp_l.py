@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedpower_app import audit
+from fedpower_app.audit import bounds as audit
 from strategies import orthonormalize_columns, orthonormalize_rows, powerdp_l
 
 F64 = torch.float64

@@ -29,7 +29,7 @@ import pytest
 import torch
 from scipy import stats
 
-from fedpower_app import audit
+from fedpower_app.audit import bounds as audit
 from fedpower_app.accounting import ROUND_TYPES, block_sensitivities, effective_z, noise_stds
 from strategies.aggregation import CLIP_MARGIN, AdapterUpdate, dense_clipped_average, group_modules
 from strategies.noise import NoiseSource

@@ -3,7 +3,7 @@
 Nothing here knows about models, torch or Flower: every attack takes arrays of logits (or signals
 derived from them), true labels and the membership of each (run, example) pair, and returns one
 score per example of the target run, larger = more likely a member. The command that trains the
-runs (``fedpower_app.mia_cli``) sits apart.
+runs (``fedpower_app.audit.membership``, ``fedpower-audit``) sits apart.
 
 Notation (docs/privacy.md §10 and ``../shared/docs/mia-notes.md`` §1): R runs were trained with
 independent Bernoulli(1/2) membership coins ``keep[r, i]`` over an audit pool of n examples; a

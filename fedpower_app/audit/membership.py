@@ -50,8 +50,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .atomic import write_json_atomic
-from .config import PROJECT_ROOT, ConfigError, load_preset, parse_config
+from ..atomic import write_json_atomic
+from ..config import PROJECT_ROOT, ConfigError, load_preset, parse_config
 
 FORMAT = "fedpower-audit/1"
 CANARY_SCORE = "calibration"  # fixed in advance (one-run audits must not pick it after looking)
@@ -150,7 +150,7 @@ class AuditPlan:
 
 def make_plan(overrides: dict[str, Any], *, runs: int, pool: int, population: int, canaries: int,
               background: int, seed: int, supernodes: int) -> AuditPlan:
-    from .data import load_task
+    from ..data import load_task
 
     if runs < 2:
         raise AuditError("--runs must be >= 2 (every run is attacked with the others as references)")
@@ -225,7 +225,7 @@ def run_finished(out: Path, run: int) -> bool:
 
 
 def _examples(task, rows: list[int], labels: list[int]):
-    from .data_types import TextExamples
+    from ..data_types import TextExamples
 
     picked = task.train.select(rows)
     return TextExamples(text_a=picked.text_a, labels=list(labels), text_b=picked.text_b)
@@ -235,9 +235,9 @@ def released_logits(plan: AuditPlan, adapter_dir: Path, *, batch_size: int = 128
     """Logits of the released model on the pool, the population and the canaries (flipped labels)."""
     import torch
 
-    from .data import load_task, tokenize
-    from .released import load_released
-    from .training import evaluate
+    from ..data import load_task, tokenize
+    from ..released import load_released
+    from ..training import evaluate
 
     cfg = parse_config(plan.overrides)
     task = load_task(cfg)
@@ -262,7 +262,7 @@ def privacy_curve(results: dict[str, Any]) -> dict[str, Any]:
 
     DP-SGD on the silos: every silo's ledger, eps(delta) = max over silos, on a delta grid. Other
     mechanisms: the one (delta, eps) the run reports. Non-private: no curve."""
-    from .accounting.silo import SiloLedger, dp_sgd_epsilon
+    from ..accounting.silo import SiloLedger, dp_sgd_epsilon
 
     final = results.get("privacy_final") or {}
     cfg = results.get("config") or {}
@@ -284,7 +284,7 @@ def privacy_curve(results: dict[str, Any]) -> dict[str, Any]:
 
 def run_one(plan: AuditPlan, out: Path, run: int, *, flwr_home: Path, port: int, echo: bool,
             timeout: float | None) -> dict[str, Any]:
-    from .launcher import run_flwr
+    from ..launcher import run_flwr
 
     d = run_dir(out, run)
     if d.exists():
@@ -323,8 +323,8 @@ def run_one(plan: AuditPlan, out: Path, run: int, *, flwr_home: Path, port: int,
 
 def run_audit(plan: AuditPlan, out: Path, *, echo: bool = False, timeout: float | None = None,
               max_runs: int | None = None, port: int | None = None, log=print) -> list[dict[str, Any]]:
-    from .runs import default_flwr_home, default_port, is_inside as _inside
-    from .launcher import stop_local_superlink
+    from ..runs import default_flwr_home, default_port, is_inside as _inside
+    from ..launcher import stop_local_superlink
 
     flwr_home = default_flwr_home(out)
     if _inside(flwr_home, PROJECT_ROOT):
@@ -415,7 +415,7 @@ def merged_curve(privacy: list[dict[str, Any]]) -> list[tuple[float, float]]:
 
 def canary_scores(data: AuditData) -> tuple[np.ndarray, np.ndarray]:
     """The pre-registered canary score of every (run, canary) pair, and its inclusion coin."""
-    from .mia import calibration_scores, signals
+    from .attacks import calibration_scores, signals
 
     if data.logits_canaries.shape[1] == 0:
         return np.zeros(0), np.zeros(0, dtype=bool)
@@ -428,8 +428,8 @@ def canary_scores(data: AuditData) -> tuple[np.ndarray, np.ndarray]:
 
 
 def build_report(out: Path, *, bootstrap: int = 200, attacks: Sequence[str] | None = None) -> dict[str, Any]:
-    from . import audit as A
-    from . import mia
+    from . import bounds as A
+    from . import attacks as mia
 
     data = load_audit(out)
     plan = data.plan
@@ -541,7 +541,7 @@ def plot_roc(metrics: dict, curve: list, path: Path, *, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from .mia import dp_tpr_ceiling
+    from .attacks import dp_tpr_ceiling
 
     fig, ax = plt.subplots(figsize=(5.5, 5))
     x = np.logspace(-5, 0, 300)
@@ -664,7 +664,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = Path(args.out).expanduser().resolve()
     try:
         if not args.report_only:
-            from .launcher import parse_set
+            from ..launcher import parse_set
 
             overrides = load_preset(args.preset) if args.preset else {}
             overrides.update(parse_set(args.set))
