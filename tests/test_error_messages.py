@@ -151,7 +151,7 @@ def test_the_scan_accepts_real_keys_and_non_keys(source):
 
 def test_glue_offline_error_names_task_data_dir(monkeypatch):
     """The message a user without network sees: it must point at `task.data-dir`, with a working --set."""
-    from fedpower_app import glue
+    from fedpower_app.data import glue
     from fedpower_app.launcher import parse_set
 
     def offline(*args, **kwargs):

@@ -1,4 +1,4 @@
-"""Tests for fedpower_app.glue: local TSV/parquet/CSV loaders, labels, errors, IID partitions, hub path.
+"""Tests for fedpower_app.data.glue: local TSV/parquet/CSV loaders, labels, errors, IID partitions, hub path.
 
 No network: the hub path is exercised by monkeypatching ``datasets.load_dataset`` with an
 in-memory DatasetDict. The real-data tests read ../shared/glue (relative to the repo root) and
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from fedpower_app.data_types import TaskData
-from fedpower_app.glue import (
+from fedpower_app.data.types import TaskData
+from fedpower_app.data.glue import (
     GLUE_TASKS,
     iid_partition_indices,
     load_glue,
@@ -198,7 +198,7 @@ def test_official_qnli_string_labels(official_glue: Path) -> None:
 
 
 def test_official_mnli_12_and_16_columns(official_glue: Path, caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.INFO, logger="fedpower_app.glue"):
+    with caplog.at_level(logging.INFO, logger="fedpower_app.data.glue"):
         data = load_glue("mnli", official_glue)
     assert data.name == "mnli" and data.num_labels == 3
     assert data.label_names == ["entailment", "neutral", "contradiction"]
@@ -250,7 +250,7 @@ def test_malformed_rows_dropped_with_warning(tmp_path: Path, caplog: pytest.LogC
         encoding="utf-8",
     )
     _write_tsv(d / "dev.tsv", ["sentence", "label"], [["x", "0"]])
-    with caplog.at_level(logging.WARNING, logger="fedpower_app.glue"):
+    with caplog.at_level(logging.WARNING, logger="fedpower_app.data.glue"):
         data = load_glue("sst2", d)
     assert data.train.text_a == ["good row ", "trailing tab ", "windows line "]
     assert data.train.labels == [1, 0, 0]
@@ -681,7 +681,7 @@ def test_heavy_libraries_imported_lazily() -> None:
     import sys
 
     code = (
-        "import sys, fedpower_app.glue; "
+        "import sys, fedpower_app.data.glue; "
         "print(sorted(m for m in ('datasets', 'flwr_datasets', 'pandas', 'pyarrow', 'torch') if m in sys.modules))"
     )
     repo_root = Path(__file__).resolve().parents[1]

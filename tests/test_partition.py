@@ -14,7 +14,7 @@ import torch
 from fedpower_app import checkpoint as CK
 from fedpower_app import data as D
 from fedpower_app.config import ConfigError, parse_config
-from fedpower_app.glue import iid_partition_indices, load_glue
+from fedpower_app.data.glue import iid_partition_indices, load_glue
 
 from .test_glue import _shared
 

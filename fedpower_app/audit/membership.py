@@ -225,7 +225,7 @@ def run_finished(out: Path, run: int) -> bool:
 
 
 def _examples(task, rows: list[int], labels: list[int]):
-    from ..data_types import TextExamples
+    from ..data.types import TextExamples
 
     picked = task.train.select(rows)
     return TextExamples(text_a=picked.text_a, labels=list(labels), text_b=picked.text_b)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import random
 
-from .data_types import TaskData, TextExamples
+from .types import TaskData, TextExamples
 
 POSITIVE = ["good", "great", "wonderful", "excellent", "delightful", "charming", "brilliant", "moving",
             "enjoyable", "superb", "pleasant", "clever", "beautiful", "gripping", "fresh", "funny"]

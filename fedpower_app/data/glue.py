@@ -1,6 +1,6 @@
 """GLUE data layer: SST-2, QNLI, MNLI and QQP from local files or the Hugging Face hub.
 
-Every loader returns a :class:`~fedpower_app.data_types.TaskData` whose integer labels follow the
+Every loader returns a :class:`~fedpower_app.data.types.TaskData` whose integer labels follow the
 Hugging Face ``nyu-mll/glue`` convention exactly:
 
 ==========  ==========================================  ===============================
@@ -60,7 +60,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from fedpower_app.data_types import TaskData, TextExamples
+from .types import TaskData, TextExamples
 
 __all__ = [
     "GLUE_TASKS",

@@ -1,7 +1,7 @@
 """Data layer: pick a task source, split it across silos (IID or label-skewed), tokenise once and cache on disk.
 
 Sources are pluggable: the generated ``synthetic`` task (default, offline), GLUE from a local
-directory (``task.data-dir``) or from the Hugging Face hub (``fedpower_app.glue``).
+directory (``task.data-dir``) or from the Hugging Face hub (``fedpower_app.data.glue``).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .config import RunConfig
-from .data_types import TaskData, TextExamples
+from ..config import RunConfig
+from .types import TaskData, TextExamples
 
 log = logging.getLogger("fedpower")
 
