@@ -32,7 +32,7 @@ from fedpower_app.atomic import write_atomic
 from fedpower_app import model as M
 from fedpower_app.config import RunConfig, parse_config
 from fedpower_app.dp_sgd import DPSGDParams, dp_sgd_train_local
-from fedpower_app.accounting.silo import SILO_DEFAULT_DELTA, SiloLedger, SiloRefusal, paid_params, silo_gate
+from fedpower_app.privacy.accounting.silo import SILO_DEFAULT_DELTA, SiloLedger, SiloRefusal, paid_params, silo_gate
 from fedpower_app.training import evaluate as evaluate_model
 from fedpower_app.training import round_lr, silo_randomness, train_local
 from strategies.noise import NoiseSource

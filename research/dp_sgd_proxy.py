@@ -31,7 +31,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     a = ap.parse_args(argv)
     from benchmarks.common import silo_zero_setup
-    from fedpower_app.accounting.silo import calibrate_noise_multiplier
+    from fedpower_app.privacy.accounting.silo import calibrate_noise_multiplier
     from fedpower_app.data import eval_splits
     from fedpower_app.dp_sgd import DPSGDParams, dp_sgd_train_local
     from fedpower_app.training import evaluate, round_lr

@@ -137,7 +137,7 @@ def main(argv=None) -> int:
         train = build_prefix_cache(model, train, device=cpu)
     t0 = time.perf_counter()
     if a.mode == "dp":
-        from fedpower_app.accounting.silo import calibrate_noise_multiplier
+        from fedpower_app.privacy.accounting.silo import calibrate_noise_multiplier
         from fedpower_app.dp_sgd import DPSGDParams, dp_sgd_train_local
 
         b, L, T = cfg["train.batch-size"], cfg["train.local-steps"], cfg["num-server-rounds"]

@@ -5,7 +5,7 @@ to know about it: its name (the round type written to results.json), where the n
 (``"server"`` or ``"silo"``), the levels it is valid at, its released blocks, the L2 sensitivity
 of each block, whether that sensitivity depends on the number k of aggregated silos, and the
 release function (the math in ``releases.py`` / ``client_delta.py``). The accountant
-(``fedpower_app.accounting.plan``) reads sensitivities and k-dependence from here, the strategy
+(``fedpower_app.privacy.accounting.plan``) reads sensitivities and k-dependence from here, the strategy
 (``strategies/flower.py``) calls ``release`` from here, and :func:`round_type` is the one round
 schedule both use. Adding a mechanism is one entry in :data:`MECHANISMS` (and its math).
 
@@ -26,7 +26,7 @@ import importlib
 class _Lazy:
     """A module of release math, imported at its first use: the mechanisms' metadata (names,
     sensitivities, schedule) stays importable without torch, so the accounting package that reads
-    it imports no torch (fedpower_app/accounting/__init__.py)."""
+    it imports no torch (fedpower_app/privacy/accounting/__init__.py)."""
 
     def __init__(self, name: str) -> None:
         self._name, self._module = name, None

@@ -33,7 +33,7 @@ PowerDP (paper Alg. 1) with noise std ``s``::
 
 The privacy analysis is *not* the paper's: both B~ and A~ depend on W through data-dependent
 projections, so the valid sensitivity is the diameter 2*sqrt(2)*C of the released pair (see
-docs/privacy.md). This file only does the math; noise stds come from ``fedpower_app.accounting``.
+docs/privacy.md). This file only does the math; noise stds come from ``fedpower_app.privacy.accounting``.
 """
 
 from __future__ import annotations
@@ -309,7 +309,7 @@ def powerdp_l(
 
     Every release is a Gaussian mechanism on a 1-Lipschitz function of W, so 2*iters adaptive
     releases with sensitivity Delta_W give the effective multiplier z = s / (sqrt(2 iters) Delta_W)
-    (fedpower_app.accounting.plan). With ``noise_std == 0`` it is the warm-started power iteration.
+    (fedpower_app.privacy.accounting.plan). With ``noise_std == 0`` it is the warm-started power iteration.
     Factored input (W = Bs @ As) is never formed: O(M (m + n) R r) per iteration.
     """
     op = _operator(W, factors)

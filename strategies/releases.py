@@ -1,7 +1,7 @@
 """What the server releases each round, per method (pure torch, no Flower).
 
 Each function takes the validated client updates of one round and returns the new global LoRA
-factors. Noise stds are inputs: the accountant (``fedpower_app.accounting.noise_stds``) derives
+factors. Noise stds are inputs: the accountant (``fedpower_app.privacy.accounting.noise_stds``) derives
 them from the target noise multiplier and the method's sensitivity. Noise is drawn from one
 generator in a fixed order (module groups in sorted order, B before A, then extras), so two
 calls with the same generator state give the same release.

@@ -1,4 +1,4 @@
-"""Tests of fedpower_app.accounting against the privacy spec's test vectors.
+"""Tests of fedpower_app.privacy.accounting against the privacy spec's test vectors.
 
 Spec: docs/privacy-accounting.md of the shared project docs (sections 6.1, 6.2, 6.3).
 Settings of the paper: N = 6, q_c = 0.5, T = 200, delta = 1e-5, b = 128, SST-2 n = 67349 split
@@ -13,7 +13,7 @@ import math
 import numpy as np
 import pytest
 
-from fedpower_app import accounting as A
+from fedpower_app.privacy import accounting as A
 
 DELTA = 1e-5
 SST2_SIZES = [11225] * 6
@@ -543,6 +543,6 @@ def test_the_accounting_package_imports_no_torch():
     import subprocess
     import sys
 
-    code = "import sys, fedpower_app.accounting, strategies.mechanisms; print('torch' in sys.modules)"
+    code = "import sys, fedpower_app.privacy.accounting, strategies.mechanisms; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "False"

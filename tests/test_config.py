@@ -58,7 +58,7 @@ def test_hashable_and_equal():
 def test_every_choice_list_has_one_home():
     """fedpower_app.choices holds the lists; config validation, the accountant and the noise source
     read them (strategies/ cannot import fedpower_app, so its noise modes are checked equal here)."""
-    from fedpower_app import accounting as A
+    from fedpower_app.privacy import accounting as A
     from fedpower_app import choices as CH
     from fedpower_app.config import SCHEMA
     from strategies.noise import NOISE_MODES

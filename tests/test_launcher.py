@@ -544,10 +544,10 @@ CLIENTAPP_TB = """\
   File "/tmp/fp/home-after/apps/fedpower.fedpower.0.1.0.342bc539/fedpower_app/silo_ledger.py", line 48, in <module>
     pld_interval: float = A.DEFAULT_PLD_INTERVAL) -> float:
                           ^^^^^^^^^^^^^^^^^^^^^^
-AttributeError: module 'fedpower_app.accounting' has no attribute 'DEFAULT_PLD_INTERVAL'
+AttributeError: module 'fedpower_app.privacy.accounting' has no attribute 'DEFAULT_PLD_INTERVAL'
 """
 CAPTURED_CLIENTAPP = (
-    "\x1b[91mERROR 2026-11-23 15:02:18,214\x1b[0m:     An exception occurred !! module 'fedpower_app.accounting' has "
+    "\x1b[91mERROR 2026-11-23 15:02:18,214\x1b[0m:     An exception occurred !! module 'fedpower_app.privacy.accounting' has "
     "no attribute 'DEFAULT_PLD_INTERVAL'\n"
     "\x1b[91mERROR 2026-11-23 15:02:18,221\x1b[0m:     Traceback (most recent call last):\n" + CLIENTAPP_TB + "\n"
     "\x1b[91mERROR 2026-11-23 15:02:18,221\x1b[0m:     Simulation raised an exception\n"
@@ -563,15 +563,15 @@ CAPTURED_CLIENTAPP = (
 
 def test_console_filter_shows_a_repeated_traceback_once():
     plain = L.ANSI_RE.sub("", _kept(CAPTURED_CLIENTAPP))
-    assert plain.count("AttributeError: module 'fedpower_app.accounting'") == 2  # traceback + the note
+    assert plain.count("AttributeError: module 'fedpower_app.privacy.accounting'") == 2  # traceback + the note
     assert plain.count("silo_ledger.py") == 1 and plain.count("Traceback (most recent call last):") == 2
     assert ("ERROR 2026-11-23 15:02:18,221:     Simulation raised an exception\n(the same traceback as above: "
-            "AttributeError: module 'fedpower_app.accounting' has no attribute 'DEFAULT_PLD_INTERVAL')\n") in plain
+            "AttributeError: module 'fedpower_app.privacy.accounting' has no attribute 'DEFAULT_PLD_INTERVAL')\n") in plain
     assert "The above exception was the direct cause" in plain and "RuntimeError: An error was encountered" in plain
     assert plain.count("Exit Code: 700") == 1
     # the closing line names the cause, not Flower's wrapper
     assert L.last_exception_line(CAPTURED_CLIENTAPP) == (
-        "AttributeError: module 'fedpower_app.accounting' has no attribute 'DEFAULT_PLD_INTERVAL'")
+        "AttributeError: module 'fedpower_app.privacy.accounting' has no attribute 'DEFAULT_PLD_INTERVAL'")
 
 
 def test_console_filter_flushes_a_traceback_cut_short():

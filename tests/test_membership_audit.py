@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from fedpower_app.audit import membership as MA
-from fedpower_app.accounting.silo import SiloLedger, dp_sgd_epsilon
+from fedpower_app.privacy.accounting.silo import SiloLedger, dp_sgd_epsilon
 from fedpower_app.config import PROJECT_ROOT, parse_config
 from fedpower_app.data import _load_task_cached, load_task
 

@@ -70,7 +70,7 @@ def test_factored_input_equals_dense():
 
 
 def test_every_released_block_gets_the_calibrated_noise():
-    from fedpower_app.accounting.plan import noise_stds
+    from fedpower_app.privacy.accounting.plan import noise_stds
 
     calls = []
 
@@ -144,7 +144,7 @@ def test_monte_carlo_audit_stays_below_the_claimed_epsilon(iters):
     lower bound stays below it; half the noise (true z = 0.5, eps 10.5) is caught above it."""
     import dp_accounting
 
-    from fedpower_app.accounting.plan import noise_stds
+    from fedpower_app.privacy.accounting.plan import noise_stds
 
     C, m, z = 1.0, 5.0, 1.0
     s = noise_stds("powerdp-l", "client", z, C, denominator=m, iters=iters)[0]
@@ -182,7 +182,7 @@ def test_client_level_accounting_matches_dp_accounting_with_the_fixed_denominato
     import dp_accounting
     from dp_accounting.rdp import RdpAccountant
 
-    from fedpower_app import accounting as A
+    from fedpower_app.privacy import accounting as A
 
     q_c, N, T, C, eps, delta = 0.1, 200, 40, _C, 8.0, 1e-5
     plan = A.PrivacyPlan(method=method, level="client", epsilon=eps, delta=delta, num_rounds=T, client_rate=q_c,
@@ -284,7 +284,7 @@ def test_the_products_powerdp_l_release_passes_the_audit_end_to_end():
     fit is 2/z (the audit sees a wrong calibration)."""
     import dp_accounting
 
-    from fedpower_app.accounting.plan import noise_stds
+    from fedpower_app.privacy.accounting.plan import noise_stds
 
     C, m, z, iters, trials = 1.0, 5.0, 1.0, 1, 4000
     stds = noise_stds("powerdp-l", "client", z, C, denominator=m, iters=iters)

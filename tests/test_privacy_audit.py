@@ -30,7 +30,7 @@ import torch
 from scipy import stats
 
 from fedpower_app.audit import bounds as audit
-from fedpower_app.accounting import ROUND_TYPES, block_sensitivities, effective_z, noise_stds
+from fedpower_app.privacy.accounting import ROUND_TYPES, block_sensitivities, effective_z, noise_stds
 from strategies.aggregation import CLIP_MARGIN, AdapterUpdate, dense_clipped_average, group_modules
 from strategies.noise import NoiseSource
 from strategies.powerdp import orthonormalize_columns, orthonormalize_rows, powerdp

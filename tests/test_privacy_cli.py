@@ -1,4 +1,4 @@
-"""Tests of ``fedpower-privacy`` (fedpower_app.privacy_cli).
+"""Tests of ``fedpower-privacy`` (fedpower_app.privacy.cli).
 
 The planner must read the run's configuration (pyproject defaults, presets, ``--set``) and report
 exactly what the server's ``build_privacy`` calibrates; its printed sensitivity must be the one the
@@ -15,8 +15,8 @@ import pytest
 
 from strategies import mechanisms as MECH
 
-from fedpower_app import accounting as A
-from fedpower_app import privacy_cli
+from fedpower_app.privacy import accounting as A
+from fedpower_app.privacy import cli as privacy_cli
 from fedpower_app.config import SCHEMA, load_preset, parse_config
 from fedpower_app.privacy import build_privacy
 

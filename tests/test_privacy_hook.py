@@ -5,7 +5,7 @@ import math
 import pytest
 from flwr.app import ArrayRecord
 
-from fedpower_app import accounting as A
+from fedpower_app.privacy import accounting as A
 from fedpower_app.config import parse_config
 from fedpower_app.privacy import AccountedPrivacy, NonPrivate, build_privacy, guarantee
 from strategies.flower import FedPowerStrategy

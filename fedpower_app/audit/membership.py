@@ -262,7 +262,7 @@ def privacy_curve(results: dict[str, Any]) -> dict[str, Any]:
 
     DP-SGD on the silos: every silo's ledger, eps(delta) = max over silos, on a delta grid. Other
     mechanisms: the one (delta, eps) the run reports. Non-private: no curve."""
-    from ..accounting.silo import SiloLedger, dp_sgd_epsilon
+    from ..privacy.accounting.silo import SiloLedger, dp_sgd_epsilon
 
     final = results.get("privacy_final") or {}
     cfg = results.get("config") or {}

@@ -3,7 +3,7 @@
 Built once at start from the run config and the clients' shard sizes. The strategy asks it for
 the noise std of each block of a round (``noise_stds``), checks the budget before each release
 (``check``), and records every release that happened (``record``), including rounds in which
-some or all sampled clients dropped out. All privacy math is in ``fedpower_app.accounting``.
+some or all sampled clients dropped out. All privacy math is in ``fedpower_app.privacy.accounting``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 from strategies.privacy_contract import BudgetExhausted, NoPrivacy, PlanAndCommit, ServerSideDefaults, sample_rate
 
 from . import accounting as A
-from .config import RunConfig
+from ..config import RunConfig
 from .accounting.silo import SiloLedger, calibrate_noise_multiplier, dp_sgd_epsilon
 
 log = logging.getLogger("fedpower")

@@ -9,7 +9,7 @@ Stateless functions over opacus' exact sampled-Gaussian RDP (``compute_rdp`` /
 * :func:`round_rdp_k_mixture`: fixed noise with a random number k of aggregated clients;
 * :func:`rdp_to_epsilon`: RDP curve -> (epsilon, best order).
 
-The stateful composition of rounds is :class:`~fedpower_app.accounting.interface.RdpAccountant`.
+The stateful composition of rounds is :class:`~fedpower_app.privacy.accounting.interface.RdpAccountant`.
 """
 
 from __future__ import annotations

@@ -3,13 +3,13 @@
 Stateless functions over ``dp_accounting.pld`` (pessimistic estimates, add/remove adjacency):
 
 * :func:`round_pld` / :func:`round_pld_k_mixture`: one round, the PLD analogues of
-  :func:`~fedpower_app.accounting.rdp.round_rdp` / ``round_rdp_k_mixture``;
+  :func:`~fedpower_app.privacy.accounting.rdp.round_rdp` / ``round_rdp_k_mixture``;
 * :func:`pld_epsilon`: epsilon of a (composed) PLD, robust to dp_accounting's overflow at large epsilon;
 * :func:`pld_grid_points` / :func:`safe_discretization_interval`: the memory guard. A PLD at tiny
   noise (paper-mode z ~ 0.05) would need millions of grid points, so builds are refused
   (spec section 5) or the discretisation is coarsened (still a valid, looser upper bound).
 
-The stateful composition of rounds is :class:`~fedpower_app.accounting.interface.PldAccountant`.
+The stateful composition of rounds is :class:`~fedpower_app.privacy.accounting.interface.PldAccountant`.
 """
 
 from __future__ import annotations
@@ -147,7 +147,7 @@ def round_pld_k_mixture(
     value_discretization_interval: float = DEFAULT_PLD_INTERVAL,
     max_grid_points: int = DEFAULT_PLD_MAX_POINTS,
 ):
-    """PLD analogue of :func:`~fedpower_app.accounting.rdp.round_rdp_k_mixture` (mixture over k of SGM(pi, z(k)) PLDs)."""
+    """PLD analogue of :func:`~fedpower_app.privacy.accounting.rdp.round_rdp_k_mixture` (mixture over k of SGM(pi, z(k)) PLDs)."""
     qc = _check_prob(q_c, "q_c (client_rate)")
     p = _check_prob(pi, "pi", allow_zero=True)
     N = _check_num_clients(num_clients)

@@ -38,7 +38,7 @@ Modules (each importable on its own; the names listed are re-exported here):
 * ``ledger``: ``PrivacyLedger`` (the server's per-round ledger), ``PrivacyBudgetExceeded``;
 * ``silo``: DP-SGD on the silos: ``SiloLedger`` (one silo's ledger, kept by the server and by the
   silo itself), ``calibrate_noise_multiplier``, ``dp_sgd_epsilon``, the silo's own check
-  ``silo_admits`` and ``SiloRefusal`` (import from ``fedpower_app.accounting.silo``).
+  ``silo_admits`` and ``SiloRefusal`` (import from ``fedpower_app.privacy.accounting.silo``).
 
 Pure python + numpy + opacus + dp_accounting (no torch, no flwr): importing this package does not
 import torch (``rdp`` loads opacus' RDP analysis file directly).
@@ -51,7 +51,7 @@ from ._common import (
     METHODS,
     ROUND_TYPES,
     SAMPLE_MODES,
-    _norm_name,  # used by fedpower_app.privacy_cli
+    _norm_name,  # used by fedpower_app.privacy.cli
 )
 from .calibration import (
     PAPER_LABEL,

@@ -1,6 +1,6 @@
 """The server's privacy ledger: the privacy actually spent by the rounds that were released.
 
-:class:`PrivacyLedger` follows a :class:`~fedpower_app.accounting.calibration.Calibration` during
+:class:`PrivacyLedger` follows a :class:`~fedpower_app.privacy.accounting.calibration.Calibration` during
 training: the noise std of each block, the epsilon a release would reach (so the server stops
 BEFORE crossing the budget, :class:`PrivacyBudgetExceeded`), and a JSON-able checkpoint
 (``state_dict`` / ``load_state_dict``, format version 1). It composes rounds through the same

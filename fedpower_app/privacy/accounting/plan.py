@@ -6,7 +6,7 @@
 * :func:`block_sensitivities`, :func:`noise_stds`, :func:`effective_z`: the Gaussian blocks of a
   round and the single effective noise multiplier the accountants work with;
 * :func:`round_event`: a round type under a noise specification, as an accountant's
-  :class:`~fedpower_app.accounting.interface.RoundEvent`.
+  :class:`~fedpower_app.privacy.accounting.interface.RoundEvent`.
 
 A *noise specification* is ``("z", z)``: rigorous, every round has effective multiplier z (the
 noise of the linear releases scaled to the realised k at sample level), or ``("sigma", sigma_alg)``:

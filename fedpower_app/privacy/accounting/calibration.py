@@ -5,10 +5,10 @@
 * :func:`epsilon_for_noise_multiplier`: epsilon trajectory of a user-fixed z;
 * :func:`epsilon_for_sigma_alg`: TRUE epsilon of the paper's noise convention;
 * :class:`Calibration`: their result (noise per block, z per round type, epsilon trajectory,
-  validity label), which the server's :class:`~fedpower_app.accounting.ledger.PrivacyLedger` follows.
+  validity label), which the server's :class:`~fedpower_app.privacy.accounting.ledger.PrivacyLedger` follows.
 
 Every epsilon is computed by composing the plan's round events through an
-:class:`~fedpower_app.accounting.interface.Accountant`. The RDP epsilon is always reported; with
+:class:`~fedpower_app.privacy.accounting.interface.Accountant`. The RDP epsilon is always reported; with
 ``accountant="pld"`` the PLD epsilon (tighter) is the one that counts.
 """
 

@@ -36,7 +36,7 @@ import sys
 import tomllib
 from typing import Any, Optional, Sequence
 
-from fedpower_app import accounting as acc  # before anything imports torch: fast opacus path
+from fedpower_app.privacy import accounting as acc  # before anything imports torch: fast opacus path
 from fedpower_app import launcher
 from fedpower_app.config import ConfigError, RunConfig, load_preset, parse_config, with_method_preset
 
@@ -271,7 +271,7 @@ def num_modules(args, cfg: RunConfig) -> tuple[int, str]:
 
 
 def _accounted(hook) -> bool:
-    """A hook with server-side noise calibrated by ``fedpower_app.accounting`` (plan + calibration)."""
+    """A hook with server-side noise calibrated by ``fedpower_app.privacy.accounting`` (plan + calibration)."""
     return (isinstance(getattr(hook, "plan", None), acc.PrivacyPlan)
             and isinstance(getattr(hook, "calibration", None), acc.Calibration))
 
