@@ -2,7 +2,7 @@
 rows first (``fedpower_app.training.physical_chunks``, what the product does) against the same
 round with the chunks in sampled order (what it did before 2026-11-25).
 
-Both call ``fedpower_app.dp_sgd.dp_sgd_train_local`` on the same model, initial adapters,
+Both call ``fedpower_app.training.dp_sgd.dp_sgd_train_local`` on the same model, initial adapters,
 sampling generator (so the same Poisson batches), noise generator and dropout seed; the baseline
 only swaps ``physical_chunks`` for a plain ``idx.split(size)``. The rows are a silo's shard of the
 real task (SST-2 with ``--data-dir``; the generated task without it), padded as the product pads
@@ -28,7 +28,7 @@ from .common import interleaved, median
 
 def run(*, data_dir: str, batch_size: int, steps: int, repeats: int, log=print) -> dict:
     from fedpower_app import data as D
-    from fedpower_app import dp_sgd as DPS
+    from fedpower_app.training import dp_sgd as DPS
     from fedpower_app import model as M
     from fedpower_app.config import parse_config
     from fedpower_app.training import PHYSICAL_BATCH_SIZE, batch_indices

@@ -1,4 +1,4 @@
-"""Target 6: one silo's DP-SGD round (``fedpower_app.dp_sgd.dp_sgd_train_local``: Opacus
+"""Target 6: one silo's DP-SGD round (``fedpower_app.training.dp_sgd.dp_sgd_train_local``: Opacus
 per-example gradients, per-example clipping, noise) against the non-private round
 (``fedpower_app.training.train_local``) on the same Poisson batches.
 
@@ -35,7 +35,7 @@ def run(*, device, steps: int = 5, repeats: int = 5, batch_size: int = 0, log=pr
     from fedpower_app import data as D
     from fedpower_app import model as M
     from fedpower_app.config import parse_config
-    from fedpower_app.dp_sgd import DPSGDParams, dp_sgd_train_local
+    from fedpower_app.training.dp_sgd import DPSGDParams, dp_sgd_train_local
     from fedpower_app.training import train_local
 
     dev = "cuda" if device.type == "cuda" else "cpu"

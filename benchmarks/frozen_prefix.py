@@ -41,8 +41,8 @@ def main(argv=None) -> int:
     from fedpower_app import model as M
     from fedpower_app.config import parse_config
     from fedpower_app.data import client_shard
-    from fedpower_app.dp_sgd import DPSGDParams, dp_sgd_train_local
-    from fedpower_app.frozen_prefix import build_prefix_cache
+    from fedpower_app.training.dp_sgd import DPSGDParams, dp_sgd_train_local
+    from fedpower_app.training.frozen_prefix import build_prefix_cache
     from fedpower_app.launcher import parse_set
 
     cpu = torch.device("cpu")

@@ -4,7 +4,7 @@
   sample-level rate q_s = b / n_i; this reveals n_i to the server, see docs/privacy.md).
 * ``train``: loads the global adapters, runs L local steps and replies with the adapters it was
   told to train (``train-lora``: A and B, or only B for FFA-LoRA). When the message carries DP-SGD
-  parameters (or the silo requires them) the steps are DP-SGD (``fedpower_app.dp_sgd``): the silo
+  parameters (or the silo requires them) the steps are DP-SGD (``fedpower_app.training.dp_sgd``): the silo
   first checks the parameters against its own ledger (``Context.state``) and refuses a round past
   its budget; the refusal is an error reply the server drops and counts. Otherwise plain Adam
   (Poisson batches when ``dp.level = sample``, for the paper's server-side mechanism).
@@ -31,7 +31,7 @@ from fedpower_app import data as D
 from fedpower_app.atomic import write_atomic
 from fedpower_app import model as M
 from fedpower_app.config import RunConfig, parse_config
-from fedpower_app.dp_sgd import DPSGDParams, dp_sgd_train_local
+from fedpower_app.training.dp_sgd import DPSGDParams, dp_sgd_train_local
 from fedpower_app.privacy.accounting.silo import SILO_DEFAULT_DELTA, SiloLedger, SiloRefusal, paid_params, silo_gate
 from fedpower_app.training import evaluate as evaluate_model
 from fedpower_app.training import round_lr, silo_randomness, train_local
@@ -88,7 +88,7 @@ def _training_split(cfg: RunConfig, pid: int, num: int, model):
         return shard
     key = (cfg, pid, num)
     if key not in _PREFIX_CACHES:
-        from fedpower_app.frozen_prefix import build_prefix_cache
+        from fedpower_app.training.frozen_prefix import build_prefix_cache
 
         for stale in [k for k in _PREFIX_CACHES if k[0] != cfg]:  # another run's caches
             del _PREFIX_CACHES[stale]

@@ -33,7 +33,7 @@ def main(argv=None) -> int:
     from benchmarks.common import silo_zero_setup
     from fedpower_app.privacy.accounting.silo import calibrate_noise_multiplier
     from fedpower_app.data import eval_splits
-    from fedpower_app.dp_sgd import DPSGDParams, dp_sgd_train_local
+    from fedpower_app.training.dp_sgd import DPSGDParams, dp_sgd_train_local
     from fedpower_app.training import evaluate, round_lr
 
     cfg, tok, model, shard = silo_zero_setup(a.set, silos=a.silos, threads=a.threads)

@@ -36,7 +36,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     from benchmarks.common import silo_zero_setup
     from fedpower_app.privacy.accounting.silo import calibrate_noise_multiplier
-    from fedpower_app.dp_sgd import grad_sample_module
+    from fedpower_app.training.dp_sgd import grad_sample_module
 
     cfg, _tok, model, shard = silo_zero_setup(a.set, silos=a.silos, threads=a.threads)
     n = min(a.examples, len(shard)) // 2 * 2

@@ -131,14 +131,14 @@ def main(argv=None) -> int:
         rec["s"] = round(time.perf_counter() - t0, 1)
         log(rec)
 
-    from fedpower_app.frozen_prefix import build_prefix_cache, forward_context
+    from fedpower_app.training.frozen_prefix import build_prefix_cache, forward_context
 
     if cfg["train.cache-frozen"]:  # train on the frozen layers' cached output (same step, faster)
         train = build_prefix_cache(model, train, device=cpu)
     t0 = time.perf_counter()
     if a.mode == "dp":
         from fedpower_app.privacy.accounting.silo import calibrate_noise_multiplier
-        from fedpower_app.dp_sgd import DPSGDParams, dp_sgd_train_local
+        from fedpower_app.training.dp_sgd import DPSGDParams, dp_sgd_train_local
 
         b, L, T = cfg["train.batch-size"], cfg["train.local-steps"], cfg["num-server-rounds"]
         q = min(1.0, b / len(train))

@@ -45,7 +45,7 @@ def main(argv=None) -> int:
     from fedpower_app import model as M
     from fedpower_app.config import parse_config
     from fedpower_app.data import cache_dir, load_task, tokenized_cached
-    from fedpower_app.dp_sgd import grad_sample_module
+    from fedpower_app.training.dp_sgd import grad_sample_module
     from fedpower_app.training import physical_chunks
     from opacus.optimizers import DPOptimizer
 

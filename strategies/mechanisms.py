@@ -10,7 +10,7 @@ release function (the math in ``releases.py`` / ``client_delta.py``). The accoun
 schedule both use. Adding a mechanism is one entry in :data:`MECHANISMS` (and its math).
 
 DP-SGD on the silos is the mechanism ``"dp-sgd"``: the noise is added in every silo's local steps
-(``fedpower_app.dp_sgd``); the server's average, merge and refactorization of the noised replies
+(``fedpower_app.training.dp_sgd``); the server's average, merge and refactorization of the noised replies
 are then post-processing (the ``fedpower``/``fedlora``/``ffa`` releases with zero noise).
 """
 
@@ -168,7 +168,7 @@ MECHANISMS: dict[str, Mechanism] = {m.name: m for m in (
     Mechanism("fedsvd", "silo", ("sample",), ("B_avg A_g, refactorized by SVD",), lambda a: [], False,
               lambda u, ctx, s, g, x: SVD.fedsvd_release(u, ctx, x.glob),
               "FedSVD: B averaged, B_avg A_g refactorized by SVD into a new orthonormal A (no server noise)"),
-    # -- DP-SGD inside every silo (fedpower_app.dp_sgd): the server's release is post-processing ---
+    # -- DP-SGD inside every silo (fedpower_app.training.dp_sgd): the server's release is post-processing ---
     Mechanism("dp-sgd", "silo", ("sample",), ("clipped per-example gradient sum",),
               lambda a: [dp_sgd_sensitivity(a.clip, a.head_clip)], False, None,
               "DP-SGD: per-example clip C (head C_h), Gaussian noise sigma * Delta on each step's sum"),

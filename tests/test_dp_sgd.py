@@ -11,7 +11,7 @@ import torch
 from fedpower_app import data as D
 from fedpower_app import model as M
 from fedpower_app.config import parse_config
-from fedpower_app.dp_sgd import DPSGDParams, dp_sgd_train_local, grad_sample_module
+from fedpower_app.training.dp_sgd import DPSGDParams, dp_sgd_train_local, grad_sample_module
 from fedpower_app.privacy.accounting.silo import (
     SiloLedger,
     SiloRefusal,

@@ -8,8 +8,8 @@ import torch
 from fedpower_app import data as D
 from fedpower_app import model as M
 from fedpower_app.config import parse_config
-from fedpower_app.dp_sgd import DPSGDParams, dp_sgd_train_local
-from fedpower_app.frozen_prefix import (CachedPrefixSplit, build_prefix_cache, lowest_adapted_layer,
+from fedpower_app.training.dp_sgd import DPSGDParams, dp_sgd_train_local
+from fedpower_app.training.frozen_prefix import (CachedPrefixSplit, build_prefix_cache, lowest_adapted_layer,
                                         prefix_skipped)
 from fedpower_app.training import train_local
 

@@ -16,7 +16,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, R
 from client_app import app as C
 from fedpower_app.privacy.accounting.silo import SILO_DEFAULT_DELTA, SiloLedger, SiloRefusal, silo_gate
 from fedpower_app.config import parse_config
-from fedpower_app.dp_sgd import DPSGDParams
+from fedpower_app.training.dp_sgd import DPSGDParams
 from fedpower_app.privacy import build_privacy, guarantee
 from strategies.privacy_contract import Disclosure
 

@@ -456,7 +456,7 @@ Loading weights: 100%|██████████| 103/103 [00:00<00:00, 2699
 \x1b[93mWARNING \x1b[0m:   node 3 failed the size query and is left out: boom
 \x1b[92mINFO \x1b[0m:      [round 0] acc 0.6400 loss 0.6919 (initial model)
 \x1b[92mINFO \x1b[0m:      [round 1/2 powerdp] acc 0.3900 loss 0.6996 | eps 5.821/8 | clients 2 sampled, 2 aggregated, 0 dropped | up 0.60 MB down 0.60 MB | server 0.01 s | round 2.5 s | elapsed 2.5 s
-\x1b[36m(ClientAppActor pid=7791)\x1b[0m /work/main/fedpower_app/dp_sgd.py:123: UserWarning: Full backward hook is firing when gradients are computed with respect to module outputs since no inputs require gradients.
+\x1b[36m(ClientAppActor pid=7791)\x1b[0m /work/main/fedpower_app/training/dp_sgd.py:123: UserWarning: Full backward hook is firing when gradients are computed with respect to module outputs since no inputs require gradients.
 \x1b[36m(ClientAppActor pid=7791)\x1b[0m   loss.backward()
 \x1b[36m(ClientAppActor pid=7791)\x1b[0m /work/main/fedpower_app/x.py:3: UserWarning: some new warning
 \x1b[36m(ClientAppActor pid=7791)\x1b[0m   model.step()

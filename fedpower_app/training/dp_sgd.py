@@ -30,10 +30,10 @@ import torch
 
 from strategies.privacy_contract import sample_rate
 
-from .data import TokenizedSplit
+from ..data import TokenizedSplit
 from .frozen_prefix import forward_context
-from .model import is_head_parameter
-from .training import (PHYSICAL_BATCH_SIZE, TrainStats, _autocast, _seeded_dropout, batch_indices, keep_optimizer,
+from ..model import is_head_parameter
+from .loops import (PHYSICAL_BATCH_SIZE, TrainStats, _autocast, _seeded_dropout, batch_indices, keep_optimizer,
                        local_optimizer, physical_chunks, resume_optimizer)
 
 

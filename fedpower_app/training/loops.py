@@ -21,7 +21,7 @@ import torch
 
 from strategies.privacy_contract import sample_rate
 
-from .data import TokenizedSplit
+from ..data import TokenizedSplit
 
 
 @dataclass
