@@ -3,7 +3,6 @@ clipping and noise it applies, the per-silo accounting, and the silo's own refus
 
 import json
 import math
-import shutil
 
 import pytest
 import torch
@@ -20,22 +19,15 @@ from fedpower_app.privacy.accounting.silo import (
     silo_admits,
 )
 
+from .tiny_bert import save_tiny_bert
+
 CPU = torch.device("cpu")
 
 
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory):
     """A 2-layer BERT (hidden 64, no dropout) with MiniLM's tokenizer, saved as a local model."""
-    from transformers import BertConfig, BertForSequenceClassification
-
-    path = tmp_path_factory.mktemp("tiny-bert")
-    config = BertConfig(vocab_size=30522, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
-                        intermediate_size=128, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-                        max_position_embeddings=64)
-    torch.manual_seed(0)
-    BertForSequenceClassification(config).bert.save_pretrained(str(path))  # no head: fedpower seeds it
-    M.load_tokenizer("minilm").save_pretrained(str(path))
-    return str(path)
+    return save_tiny_bert(tmp_path_factory.mktemp("tiny-bert"), num_layers=2)
 
 
 def tiny_cfg(model_dir, **overrides):

@@ -13,22 +13,15 @@ from fedpower_app.training.frozen_prefix import (CachedPrefixSplit, build_prefix
                                         prefix_skipped)
 from fedpower_app.training import train_local
 
+from .tiny_bert import save_tiny_bert
+
 CPU = torch.device("cpu")
 
 
 @pytest.fixture(scope="module")
 def tiny3_dir(tmp_path_factory):
     """A 3-layer BERT (hidden 64, no dropout) with MiniLM's tokenizer, saved as a local model."""
-    from transformers import BertConfig, BertForSequenceClassification
-
-    path = tmp_path_factory.mktemp("tiny-bert-3")
-    config = BertConfig(vocab_size=30522, hidden_size=64, num_hidden_layers=3, num_attention_heads=2,
-                        intermediate_size=128, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-                        max_position_embeddings=64)
-    torch.manual_seed(0)
-    BertForSequenceClassification(config).bert.save_pretrained(str(path))
-    M.load_tokenizer("minilm").save_pretrained(str(path))
-    return str(path)
+    return save_tiny_bert(tmp_path_factory.mktemp("tiny-bert-3"), num_layers=3)
 
 
 def setup(model_dir, **overrides):

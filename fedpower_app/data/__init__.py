@@ -12,22 +12,7 @@ loaded on first use, so that importing ``fedpower_app.data.glue`` does not impor
 
 from __future__ import annotations
 
+from ..lazy import forward_to
 
-import importlib
+__getattr__ = forward_to(__name__, "pipeline", ("pipeline", "glue", "synthetic", "types"))
 
-_SUBMODULES = ("pipeline", "glue", "synthetic", "types")
-
-
-def __getattr__(name: str):
-    if name in _SUBMODULES:  # a submodule not imported yet (the import machinery asks for it too)
-        return importlib.import_module(f"{__name__}.{name}")
-    pipeline = importlib.import_module(f"{__name__}.pipeline")
-    try:
-        return getattr(pipeline, name)
-    except AttributeError:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
-
-
-def __dir__() -> list[str]:
-    pipeline = importlib.import_module(f"{__name__}.pipeline")
-    return sorted(set(globals()) | {n for n in dir(pipeline) if not n.startswith("__")})

@@ -213,8 +213,25 @@ def _dirichlet_shards(label_bytes: bytes, n: int, num_partitions: int, seed: int
     return tuple(shards)
 
 
+class SiloRows:
+    """What sampling and accounting read of a silo's training rows, whatever form they take
+    (tokens here, cached hidden states in ``training.frozen_prefix``): how many there are, and the
+    n of the sampling rate q = b / n."""
+
+    labels: torch.Tensor
+    declared_size: int | None
+
+    def __len__(self) -> int:
+        return int(self.labels.shape[0])
+
+    @property
+    def dp_size(self) -> int:
+        """n in the silo's sampling rate q = b / n (and in its size reply)."""
+        return max(len(self), int(self.declared_size or 0))
+
+
 @dataclass
-class TokenizedSplit:
+class TokenizedSplit(SiloRows):
     """Pre-tokenised examples, padded to max_length; batches are trimmed to their longest row."""
 
     input_ids: torch.Tensor  # (N, L) int64
@@ -224,14 +241,6 @@ class TokenizedSplit:
     # The size a silo accounts and samples with, when it is fixed in advance (a membership audit:
     # its candidates, all of them in): q = b / declared_size, the same whichever candidates are in.
     declared_size: int | None = None
-
-    def __len__(self) -> int:
-        return int(self.labels.shape[0])
-
-    @property
-    def dp_size(self) -> int:
-        """n in the silo's sampling rate q = b / n (and in its size reply)."""
-        return max(len(self), int(self.declared_size or 0))
 
     def batch(self, idx: torch.Tensor, device) -> dict[str, torch.Tensor]:
         mask = self.attention_mask[idx]

@@ -13,16 +13,6 @@ so that importing ``fedpower_app.privacy.accounting`` stays light (no torch).
 
 from __future__ import annotations
 
-import importlib
+from ..lazy import forward_to
 
-_SUBMODULES = ("accounting", "hook", "cli")
-
-
-def __getattr__(name: str):
-    if name in _SUBMODULES:
-        return importlib.import_module(f"{__name__}.{name}")
-    hook = importlib.import_module(f"{__name__}.hook")
-    try:
-        return getattr(hook, name)
-    except AttributeError:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+__getattr__ = forward_to(__name__, "hook", ("accounting", "hook", "cli"))

@@ -10,16 +10,6 @@
 
 from __future__ import annotations
 
-import importlib
+from ..lazy import forward_to
 
-_SUBMODULES = ("loops", "dp_sgd", "frozen_prefix")
-
-
-def __getattr__(name: str):
-    if name in _SUBMODULES:
-        return importlib.import_module(f"{__name__}.{name}")
-    loops = importlib.import_module(f"{__name__}.loops")
-    try:
-        return getattr(loops, name)
-    except AttributeError:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+__getattr__ = forward_to(__name__, "loops", ("loops", "dp_sgd", "frozen_prefix"))

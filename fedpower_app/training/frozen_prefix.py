@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..data.pipeline import SiloRows
+
 _LAYER = re.compile(r"(?:^|\.)encoder\.layer\.(\d+)\.")
 
 
@@ -100,7 +102,7 @@ def _prefix_hidden(model, batch: dict, layer: int) -> torch.Tensor:
 
 
 @dataclass
-class CachedPrefixSplit:
+class CachedPrefixSplit(SiloRows):
     """A split whose batches are the cached hidden states at the lowest adapted layer.
 
     It quacks like ``TokenizedSplit`` for training (``len``, ``attention_mask`` for length-sorted
@@ -113,13 +115,6 @@ class CachedPrefixSplit:
     labels: torch.Tensor  # (N,)
     layer: int  # the hidden states are the input of encoder layer ``layer``
     declared_size: int | None = None
-
-    def __len__(self) -> int:
-        return int(self.labels.shape[0])
-
-    @property
-    def dp_size(self) -> int:
-        return max(len(self), int(self.declared_size or 0))
 
     def batch(self, idx: torch.Tensor, device) -> dict[str, torch.Tensor]:
         lengths = self.attention_mask[idx].sum(dim=1)
