@@ -46,7 +46,7 @@ RESUMABLE_KEYS = ("resume", "strategy.round-timeout", "eval.batch-size")
 # before it existed. At that value a key is left out of the fingerprint, so those checkpoints resume.
 ADDED_KEYS = {"task.dirichlet-alpha": 0.0, "dp.diagnostics": "off", "task.validation-rows": 0,
               "lora.top-layers": 0, "train.cache-frozen": False,
-              "train.optimizer-state": "round"}
+              "train.optimizer-state": "round", "model.pooling": "pooler"}
 
 
 def _fingerprinted(config: dict[str, Any]) -> dict[str, Any]:

@@ -17,7 +17,7 @@ PROJECT_ROOT = Path(__file__).resolve().parents[1]
 # Every choice list lives in fedpower_app.choices (one home); re-exported here for the callers.
 from .choices import (  # noqa: E402
     ACCOUNTANTS, CALIBRATIONS, CLIENT_REFACTORIZATIONS, DEVICES, DIAGNOSTICS, DP_LEVELS, LOCAL_OPTIMIZERS,
-    LR_SCHEDULES, NOISE_AT, OPTIMIZER_STATES, NOISE_MODES, SAMPLE_MODES, STRATEGIES, TASKS,
+    LR_SCHEDULES, NOISE_AT, OPTIMIZER_STATES, POOLINGS, NOISE_MODES, SAMPLE_MODES, STRATEGIES, TASKS,
 )
 
 
@@ -75,6 +75,7 @@ SCHEMA: dict[str, tuple[type, Callable[[Any], str | None] | None]] = {
     "model.name": (str, None),
     "model.target-modules": (str, None),
     "model.train-head": (bool, None),
+    "model.pooling": (str, _in(POOLINGS)),
     "lora.rank": (int, _min1),
     "lora.alpha": (float, _pos),
     "lora.dropout": (float, lambda v: None if 0 <= v < 1 else "must be in [0, 1)"),

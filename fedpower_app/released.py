@@ -16,6 +16,8 @@ Load it with plain PEFT::
     base = AutoModelForSequenceClassification.from_pretrained(resolve_model_path("minilm"), num_labels=2)
     model = PeftModel.from_pretrained(base, "outputs/<run>/adapter").eval()
 
+A run with ``model.pooling = "mean"`` also needs ``fedpower_app.model.use_mean_pooling(base)`` before
+``PeftModel.from_pretrained`` (``fedpower.json`` records the pooling),
 or in one call with ``load_released("outputs/<run>/adapter")``, which reads the base model and the
 number of labels from ``fedpower.json`` beside the adapter.
 """
@@ -93,5 +95,9 @@ def load_released(directory: str | Path, *, device: str | torch.device = "cpu"):
                                                                   torch_dtype=torch.float32)
     finally:
         hf_logging.set_verbosity(verbosity)
+    if meta.get("pooling", "pooler") == "mean":
+        from .model import use_mean_pooling
+
+        use_mean_pooling(base)
     model = PeftModel.from_pretrained(base, str(directory)).to(device).eval()
     return model, AutoTokenizer.from_pretrained(path)

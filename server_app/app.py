@@ -441,7 +441,7 @@ def _run(grid: Grid, cfg: RunConfig, run_dir: Path, results: ResultsWriter, chec
     M.load_adapter_state(model, final_state)
     adapter_dir = save_released(model, run_dir / "adapter", base_model=cfg["model.name"],
                                 num_labels=task.num_labels, task=cfg["task.name"], seed=cfg["seed"],
-                                max_length=cfg["task.max-length"])
+                                max_length=cfg["task.max-length"], pooling=cfg["model.pooling"])
     torch.save(evaluate_fn.last_logits, run_dir / "final-eval-logits.pt")
     status = "stopped-budget" if strategy.stopped_reason else "completed"
     # The journal names the last round's silos (a cohort): server state for a resume, not an output.

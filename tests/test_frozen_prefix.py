@@ -141,3 +141,43 @@ def test_a_silo_can_carry_its_adam_state_across_rounds(tiny3_dir):
     dp_sgd_train_local(model, shard, params=params, lr=0.01, sampling_generator=torch.Generator().manual_seed(0),
                        noise_generator=torch.Generator().manual_seed(1), device=CPU, optimizer_carry=carry)
     assert {int(s["step"]) for s in carry["state"]["state"].values()} == {2}
+
+
+def test_mean_pooling_reads_the_masked_mean_of_the_last_layer(tiny3_dir):
+    """model.pooling = "mean": the head sees the mean over the real tokens, whatever the padding,
+    and the cached-prefix forward pools the same rows the same way."""
+    _, model, shard = setup(tiny3_dir, **{"model.pooling": "mean"})
+    model.eval()
+    idx = torch.arange(12)
+    batch = shard.batch(idx, CPU)
+    with torch.no_grad():
+        out = model(**batch, output_hidden_states=True)
+        h = out.hidden_states[-1]
+        m = batch["attention_mask"].unsqueeze(-1).float()
+        pooled = (h * m).sum(1) / m.sum(1)
+        head = model.base_model.model.classifier  # PEFT's wrapper of the trained head: calls the active copy
+        torch.testing.assert_close(out.logits, head(pooled), rtol=1e-5, atol=1e-5)
+        # padding does not move the pooled row: row 0 alone, padded to the batch's width or not
+        alone = model(**shard.batch(idx[:1], CPU)).logits
+        torch.testing.assert_close(alone, out.logits[:1], rtol=1e-4, atol=1e-5)
+        cache = build_prefix_cache(model, shard, device=CPU)
+        with prefix_skipped(model, cache.layer):
+            cached = model(**cache.batch(idx, CPU)).logits
+        torch.testing.assert_close(cached, out.logits, rtol=1e-5, atol=1e-5)
+    _, pooler_model, _ = setup(tiny3_dir)
+    with torch.no_grad():
+        assert not torch.allclose(pooler_model.eval()(**batch).logits, out.logits)  # it changes the head's input
+
+
+def test_a_released_mean_pooling_model_reloads_with_its_pooling(tiny3_dir, tmp_path):
+    from fedpower_app.released import load_released, save_released
+
+    cfg, model, shard = setup(tiny3_dir, **{"model.pooling": "mean"})
+    model.eval()
+    batch = shard.batch(torch.arange(8), CPU)
+    with torch.no_grad():
+        want = model(**batch).logits
+    save_released(model, tmp_path / "adapter", base_model=tiny3_dir, num_labels=2, pooling="mean")
+    loaded, _ = load_released(tmp_path / "adapter")
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(**batch).logits, want, rtol=1e-5, atol=1e-5)
