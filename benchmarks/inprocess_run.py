@@ -44,10 +44,13 @@ def main(argv=None) -> int:
     if a.data_dir:
         overrides["task.data-dir"] = a.data_dir
     try:
-        overrides.update(parse_set(a.set))
-        overrides, from_method, _path = with_method_preset(overrides)  # as fedpower-run
+        sets = parse_set(a.set)
+        overrides.update(sets)
+        explicit = set(sets) | ({"task.data-dir"} if a.data_dir else set())
+        overrides, from_method, source = with_method_preset(overrides, explicit=explicit)  # as fedpower-run
         if from_method:
-            print(f"inprocess_run: method preset: {from_method}", file=sys.stderr)
+            print(f"inprocess_run: {overrides.get('strategy.name')} runs at its method preset ({source}): "
+                  f"{from_method}", file=sys.stderr)
         overrides.update({"output-dir": a.out, "run-name": a.name})
         parse_config(overrides)  # fails here, before any training, on a bad key or value
     except ConfigError as exc:

@@ -179,20 +179,62 @@ def method_preset_path(method: str) -> Path:
     return METHOD_PRESETS / f"{method}.toml"
 
 
-def with_method_preset(overrides: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], Path | None]:
+METHOD_TABLE = "methods."  # a preset's per-method settings: [methods.<name>.<section>] key = value
+
+
+def preset_method_tables(overrides: dict[str, Any]) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """Split a preset's ``[methods.<name>]`` tables (flattened ``methods.<name>.<key>``) from its
+    run-config keys. Returns (the other keys, {method: {key: value}}); a table of an unknown method
+    or with an unknown key raises ConfigError naming it."""
+    rest: dict[str, Any] = {}
+    tables: dict[str, dict[str, Any]] = {}
+    for key, value in overrides.items():
+        if not key.startswith(METHOD_TABLE):
+            rest[key] = value
+            continue
+        method, _, inner = key[len(METHOD_TABLE):].partition(".")
+        if method not in STRATEGIES:
+            raise ConfigError(f"preset table [methods.{method}]: unknown method (use one of {', '.join(STRATEGIES)})")
+        if inner not in SCHEMA:
+            raise ConfigError(f"preset table [methods.{method}]: unknown config key {inner!r}")
+        if inner == "strategy.name":
+            raise ConfigError(f"preset table [methods.{method}]: may not set strategy.name")
+        tables.setdefault(method, {})[inner] = value
+    return rest, tables
+
+
+def with_method_preset(overrides: dict[str, Any], explicit: Any = None
+                       ) -> tuple[dict[str, Any], dict[str, Any], str | None]:
     """The run's overrides completed with its method's tuned settings.
 
-    The method is ``strategy.name`` of ``overrides`` (the default's otherwise). Every key of
-    ``conf/methods/<method>.toml`` that the overrides (a preset, ``--set``) do not set is added: an
-    explicit choice always wins. Returns (overrides, the keys the method preset supplied, its path
-    or None when the method has none)."""
-    method = overrides.get("strategy.name", pyproject_defaults().get("strategy.name"))
-    path = method_preset_path(str(method))
-    if not path.exists():
-        return dict(overrides), {}, None
-    preset = load_preset(path)
-    applied = {k: v for k, v in preset.items() if k not in overrides}
-    return {**applied, **overrides}, applied, path
+    The method is ``strategy.name`` of ``overrides`` (the default's otherwise). Precedence, highest
+    first: the ``explicit`` keys (``--set``; every key of ``overrides`` when None), the preset's own
+    ``[methods.<method>]`` table (settings tuned for that preset's recipe), the preset's other
+    keys, then ``conf/methods/<method>.toml`` (settings tuned for the defaults), then the defaults.
+    Returns (overrides without any ``methods.*`` key, the keys a method table supplied, where they
+    came from, or None when none applied)."""
+    rest, tables = preset_method_tables(overrides)
+    explicit = set(rest) if explicit is None else set(explicit)
+    method = str(rest.get("strategy.name", pyproject_defaults().get("strategy.name")))
+    applied: dict[str, Any] = {}
+    sources = []
+    for key, value in tables.get(method, {}).items():
+        if key not in explicit:
+            rest[key] = applied[key] = value
+    if applied:
+        sources.append(f"the preset's [methods.{method}]")
+    path = method_preset_path(method)
+    if path.exists():
+        from_file = {k: v for k, v in load_preset(path).items() if k not in rest}
+        if from_file:
+            rest.update(from_file)
+            applied.update(from_file)
+            try:
+                shown = str(path.relative_to(PROJECT_ROOT))
+            except ValueError:
+                shown = str(path)
+            sources.append(shown)
+    return rest, applied, (" and ".join(sources) or None)
 
 
 def parse_config(run_config: dict[str, Any], *, defaults: dict[str, Any] | None = None) -> RunConfig:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..config import PROJECT_ROOT, STRATEGIES, TASKS, ConfigError, load_preset, parse_config
+from ..config import PROJECT_ROOT, STRATEGIES, TASKS, ConfigError, load_preset, parse_config, preset_method_tables
 
 
 
@@ -191,14 +191,25 @@ class GridSpec:
 
     def base_overrides(self, task: str) -> dict[str, Any]:
         """The preset's run-config keys for ``task``, then the grid's overrides (every cell's base)."""
-        ov: dict[str, Any] = {}
-        if self.preset:
-            preset = Path(self.preset.replace("{task}", task))
-            if not preset.exists():
-                raise GridError(f"preset {preset} not found")
-            ov.update(load_preset(str(preset)))
+        ov = self._preset(task)[0]
         ov.update(self.overrides)
         return ov
+
+    def preset_method_settings(self, task: str, strategy: str) -> dict[str, Any]:
+        """The preset's ``[methods.<strategy>]`` table: settings tuned for this recipe, which the
+        grid's own overrides still beat."""
+        return {k: v for k, v in self._preset(task)[1].get(strategy, {}).items() if k not in self.overrides}
+
+    def _preset(self, task: str) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+        if not self.preset:
+            return {}, {}
+        preset = Path(self.preset.replace("{task}", task))
+        if not preset.exists():
+            raise GridError(f"preset {preset} not found")
+        try:
+            return preset_method_tables(load_preset(str(preset)))
+        except ConfigError as exc:
+            raise GridError(f"preset {preset}: {exc}") from None
 
     def dp_level(self, task: str, eps: float | None) -> str:
         """The DP level a cell at ``eps`` runs at (cell_overrides sets it from this)."""
@@ -303,6 +314,7 @@ def cell_overrides(spec: GridSpec, cell: Cell, out: Path) -> dict[str, Any]:
     if spec.data_dir is not None:
         ov["task.data-dir"] = spec.data_dir.replace("{task}", cell.task)
     ov.update(method_overrides(cell.method))
+    ov.update(spec.preset_method_settings(cell.task, ov.get("strategy.name", "")))
     if cell.epsilon is None:
         ov["dp.level"] = "none"
         if spec.nonprivate_lr is not None:

@@ -219,15 +219,16 @@ def main(argv: list[str] | None = None) -> int:
 
     # 1. Everything that needs no data, before any process starts.
     try:
-        overrides = {**(load_preset(args.preset) if args.preset else {}), **parse_set(args.set)}
+        sets = parse_set(args.set)
+        overrides = {**(load_preset(args.preset) if args.preset else {}), **sets}
         if args.resume:
             overrides = {**resume_overrides(args.resume), **overrides}
             args.supernodes = resumed_supernodes(args.resume, args.supernodes)
         else:  # the method's tuned settings, where neither the preset nor --set chose (issue #32)
-            overrides, from_method, method_path = with_method_preset(overrides)
+            overrides, from_method, method_source = with_method_preset(overrides, explicit=sets)
             if from_method:
                 print(f"fedpower-run: {overrides.get('strategy.name')} runs at its method preset "
-                      f"{_shown_path(method_path)}: "
+                      f"({method_source}): "
                       + ", ".join(f"{k}={v!r}" for k, v in from_method.items()) + " (a --set of a key wins)",
                       flush=True)
         if args.supernodes is None:

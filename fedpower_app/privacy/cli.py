@@ -139,8 +139,9 @@ def run_overrides(args) -> tuple[dict[str, Any], dict[str, str]]:
                               f"{_flag(dest)} ({value!r})")
         overrides[key] = value
         origin[key] = _flag(dest)
-    overrides, from_method, path = with_method_preset(overrides)  # as fedpower-run: explicit keys win
-    origin.update({k: f"method preset {path.name}" for k in from_method})
+    explicit = {k for k, where in origin.items() if not where.startswith("preset ")}
+    overrides, from_method, source = with_method_preset(overrides, explicit=explicit)  # as fedpower-run
+    origin.update({k: f"method preset ({source})" for k in from_method})
     return overrides, origin
 
 
