@@ -229,7 +229,7 @@ def silo_zero_setup(set_items, *, silos: int, threads: int):
     from fedpower_app.config import parse_config
     from fedpower_app.data import client_shard
     from fedpower_app.launcher import parse_set
-    from strategies.flower import trained_lora_factors
+    from strategies.engine import trained_lora_factors
 
     torch.set_num_threads(threads)
     cfg = parse_config(parse_set(set_items))

@@ -161,17 +161,17 @@ class BareRun:
 
 
 def _bare_setup(overrides: dict, device_name: str) -> dict:
-    import torch
-
+    """The product's round engine (strategies.engine) and a silo's round (training.silo_round),
+    with the messages replaced by function calls: the same sampling, plan, training (DP-SGD when
+    the plan says so), release and commit as a Flower run, with no framework."""
+    from client_app.app import dp_sgd_params, reply_state
     from fedpower_app import data as D
     from fedpower_app import model as M
     from fedpower_app.config import parse_config
-    from fedpower_app.privacy import build_privacy
     from fedpower_app.training import evaluate as evaluate_model
-    from fedpower_app.training import silo_randomness, train_local
-    from strategies import AdapterUpdate, ReleaseContext, group_modules
-    from strategies import mechanisms as MECH
-    from strategies.noise import NoiseSource
+    from fedpower_app.training.silo_round import train_round
+    from server_app.app import engine_for
+    from strategies.engine import RoundReport
 
     cfg = parse_config({**overrides, "device": device_name})
     n = NUM_SUPERNODES
@@ -181,58 +181,37 @@ def _bare_setup(overrides: dict, device_name: str) -> dict:
     tok = M.load_tokenizer(cfg["model.name"])
     shards = [D.client_shard(cfg, tok, pid, n) for pid in range(n)]
     splits = D.eval_splits(cfg, tok)
-    global_state = M.adapter_state(model)
-    modules, extras = M.split_adapter_keys(global_state)
-    privacy = build_privacy(cfg, client_sizes=[len(s) for s in shards], num_modules=len(modules))
-    noise = NoiseSource(cfg["seed"], cfg["dp.noise"])
-    shapes = {}
-    for name in modules:
-        r_, n_ = global_state[name + M.LORA_A].shape
-        m_, _ = global_state[name + M.LORA_B].shape
-        shapes[name] = (m_, n_, r_)
-    ctx = ReleaseContext(groups=group_modules(shapes), extra_shapes={k: tuple(global_state[k].shape) for k in extras},
-                         clip=privacy.clip if privacy.enabled else float("inf"), rank=cfg["lora.rank"],
-                         power_iters=cfg["strategy.power-iters"], noise=noise, factored=True, device=device)
-    method = cfg["strategy.name"]
+    engine = engine_for(cfg, M.adapter_state(model), client_sizes=[s.dp_size for s in shards])
     rounds = cfg["num-server-rounds"]
 
     def central_eval():
-        M.load_adapter_state(model, global_state)
+        M.load_adapter_state(model, engine.global_state)
         return [evaluate_model(model, s, batch_size=cfg["eval.batch-size"], device=device) for s in splits.values()]
 
     agg_s, train_s, eval_s, sampled_n = [], [], [], []
 
     def one_round(rnd: int) -> None:
-        coins = noise.bernoulli(n, cfg["strategy.client-rate"], noise.generator("client-sampling", rnd))
-        sampled = [pid for pid, c in enumerate(coins.tolist()) if c]
-        round_type = MECH.round_type(method, rnd)
-        plan = privacy.plan_round(rnd, round_type, sampled)  # the privacy layer's two calls, as the strategy
+        plan = engine.plan_for(rnd, list(range(n)))  # sampling and the privacy layer's plan
+        config = engine.train_instructions(plan)
+        params = dp_sgd_params(config)
         t_tr = time.perf_counter()
         updates = []
-        for pid in sampled:
-            M.load_adapter_state(model, global_state)
-            M.set_trainable(model, train_a=True, train_b=True)
-            gen, dropout_seed, _ = silo_randomness(noise, pid, rnd)
-            train_local(model, shards[pid], steps=cfg["train.local-steps"], batch_size=cfg["train.batch-size"],
-                        lr=cfg["train.lr"], generator=gen, poisson=(cfg["dp.level"] == "sample"), device=device,
-                        dropout_seed=dropout_seed)
-            st = M.adapter_state(model)
-            updates.append(AdapterUpdate(A={m: st[m + M.LORA_A] for m in modules}, B={m: st[m + M.LORA_B] for m in modules},
-                                         extra={k: st[k] - global_state[k] for k in extras}))
+        for pid in plan.admitted:
+            M.load_adapter_state(model, engine.global_state)
+            train_round(cfg, model, shards[pid], partition_id=pid, server_round=rnd,
+                        train_lora=config["train-lora"], params=params)
+            updates.append(engine.update_from_state(reply_state(model, config["train-lora"])))
         train_s.append(time.perf_counter() - t_tr)
         t_agg = time.perf_counter()
-        # the product's round step, the same call the strategy makes (no copy of it here)
-        MECH.release_round(round_type, updates, ctx=ctx, stds=plan.noise_stds, noise=noise, server_round=rnd,
-                           global_state=global_state)
-        privacy.commit_round(plan, len(updates), released=True)
+        engine.release_updates(RoundReport(rnd, plan.round_type, sampled=len(plan.admitted)), updates)
         agg_s.append(time.perf_counter() - t_agg)
         t_ev = time.perf_counter()
         if rnd % cfg["eval.every"] == 0 or rnd == rounds:
             central_eval()
         eval_s.append(time.perf_counter() - t_ev)
-        sampled_n.append(len(sampled))
+        sampled_n.append(len(plan.admitted))
 
-    return {"central_eval": central_eval, "_round": one_round, "rounds": rounds, "agg_s": agg_s, "train_s": train_s,
+    return {"engine": engine, "central_eval": central_eval, "_round": one_round, "rounds": rounds, "agg_s": agg_s, "train_s": train_s,
             "eval_s": eval_s, "sampled_n": sampled_n}
 
 

@@ -31,11 +31,10 @@ from fedpower_app import data as D
 from fedpower_app.atomic import write_atomic
 from fedpower_app import model as M
 from fedpower_app.config import RunConfig, parse_config
-from fedpower_app.training.dp_sgd import DPSGDParams, dp_sgd_train_local
+from fedpower_app.training.dp_sgd import DPSGDParams
+from fedpower_app.training.silo_round import train_round
 from fedpower_app.privacy.accounting.silo import SILO_DEFAULT_DELTA, SiloLedger, SiloRefusal, paid_params, silo_gate
 from fedpower_app.training import evaluate as evaluate_model
-from fedpower_app.training import round_lr, silo_randomness, train_local
-from strategies.noise import NoiseSource
 
 app = ClientApp()
 log = logging.getLogger("fedpower")
@@ -104,7 +103,7 @@ def _eval_shard(cfg: RunConfig, pid: int, num: int):
                             None if split.token_type_ids is None else split.token_type_ids[idx])
 
 
-def _reply_state(model, train_lora: str) -> dict[str, torch.Tensor]:
+def reply_state(model, train_lora: str) -> dict[str, torch.Tensor]:
     state = M.adapter_state(model)
     if "A" not in train_lora:  # A was frozen (FFA-LoRA): public, never sent back
         state = {k: v for k, v in state.items() if not k.endswith(M.LORA_A)}
@@ -263,32 +262,20 @@ def train(msg: Message, context: Context) -> Message:
         key = _release_key(cfg, server_round)
         sample_rate, charge = silo_gate(ledger, paid, key, params, shard.dp_size, max_epsilon=max_epsilon)
     M.load_adapter_state(model, msg.content["arrays"].to_torch_state_dict())
-    M.set_trainable(model, train_a="A" in train_lora, train_b=True)
+    M.set_trainable(model, train_a="A" in train_lora, train_b=True)  # before the frozen-prefix cache
     data = _training_split(cfg, pid, num, model)
-    noise = NoiseSource(cfg["seed"], cfg["dp.noise"])
-    streams = silo_randomness(noise, pid, server_round)
-    device = next(model.parameters()).device
-    lr = round_lr(cfg["train.lr"], cfg["train.lr-schedule"], server_round, cfg["num-server-rounds"])
     carry = _optimizer_carry(context, cfg)
     t0 = time.perf_counter()
+    stats = train_round(cfg, model, data, partition_id=pid, server_round=server_round, train_lora=train_lora,
+                        params=params if ledger is not None else None, optimizer_carry=carry)
     if ledger is not None:
-        stats = dp_sgd_train_local(model, data, params=params, lr=lr,
-                                   sampling_generator=streams.sampling, noise_generator=streams.dp_noise,
-                                   secure_noise=noise.hardened, device=device, dropout_seed=streams.dropout_seed,
-                                   optimizer=cfg["train.optimizer"], optimizer_carry=carry)
         if charge:  # a seeded round re-run with the same parameters is the same release: paid once
             ledger.record(sample_rate, params.noise_multiplier, params.local_steps)
             if key is not None:
                 paid.append({"key": key, "params": paid_params(params, sample_rate)})
         _save_ledger(context, ledger, paid)
-    else:
-        stats = train_local(
-            model, data, steps=cfg["train.local-steps"], batch_size=cfg["train.batch-size"], lr=lr,
-            generator=streams.sampling, poisson=(cfg["dp.level"] == "sample"), device=device,
-            dropout_seed=streams.dropout_seed, optimizer=cfg["train.optimizer"], optimizer_carry=carry,
-        )
     _keep_optimizer_carry(context, carry)
-    content = RecordDict({"arrays": ArrayRecord(_reply_state(model, train_lora))})
+    content = RecordDict({"arrays": ArrayRecord(reply_state(model, train_lora))})
     if _sends_train_metrics(context, cfg):
         metrics = {
             "num-examples": len(shard),

@@ -89,7 +89,7 @@ def main(argv=None) -> int:
     from fedpower_app.data import eval_splits, load_task, tokenized_cached, cache_dir
     from fedpower_app.launcher import parse_set
     from fedpower_app.training import evaluate, round_lr, physical_chunks
-    from strategies.flower import trained_lora_factors
+    from strategies.engine import trained_lora_factors
 
     cfg = parse_config(parse_set(a.set))
     tok = M.load_tokenizer(cfg["model.name"])

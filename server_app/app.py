@@ -26,6 +26,7 @@ from fedpower_app.privacy import build_privacy, guarantee
 from fedpower_app.released import save_released
 from fedpower_app.results import ResultsWriter
 from fedpower_app.training import evaluate as evaluate_model
+from strategies.engine import build_engine
 from strategies.flower import RoundReport, build_strategy, exchange
 from strategies.privacy_contract import Disclosure
 from strategies.noise import NoiseSource
@@ -297,6 +298,40 @@ def open_checkpoint(cfg: RunConfig, run_dir: Path) -> dict | None:
     return payload
 
 
+def engine_arguments(cfg: RunConfig, initial_state: dict, privacy, *, population: list[int], device,
+                     disclosure: Disclosure | None = None) -> dict:
+    """The round engine's arguments for a run's configuration: one place for the ServerApp's
+    strategy and the Flower-free engine of the benchmarks (``engine_for``)."""
+    return dict(
+        initial_state=initial_state,
+        rank=cfg["lora.rank"],
+        client_rate=cfg["strategy.client-rate"],
+        noise=NoiseSource(cfg["seed"], cfg["dp.noise"]),
+        privacy=privacy,
+        power_iters=cfg["strategy.power-iters"],
+        device=device,
+        eval_fraction=cfg["eval.fraction-clients"],
+        population=population,  # in partition order: the order of the sampling coins
+        refactor_every=cfg["strategy.refactor-every"],
+        client_level=cfg["dp.level"] == "client",
+        refactorization=cfg["strategy.client-refactorization"],
+        # m = q_c N: the client-level averages divide by it (sample level: privacy.fixed_denominator)
+        denominator=privacy.plan.denominator if cfg["dp.level"] == "client" else None,
+        disclosure=disclosure,
+    )
+
+
+def engine_for(cfg: RunConfig, initial_state: dict, client_sizes: list[int]):
+    """The Flower-free round engine of a run over silos 0..N-1 of ``client_sizes`` (benchmarks)."""
+    modules, _extras = M.split_adapter_keys(initial_state)
+    privacy = build_privacy(cfg, client_sizes=client_sizes, num_modules=len(modules))
+    disclosure = Disclosure(private=privacy.enabled, diagnostics_released=cfg["dp.diagnostics"] == "released",
+                            noise_at=privacy.noise_at)
+    return build_engine(cfg["strategy.name"], **engine_arguments(
+        cfg, initial_state, privacy, population=list(range(len(client_sizes))),
+        device=M.resolve_device(cfg["device"]), disclosure=disclosure))
+
+
 def _run(grid: Grid, cfg: RunConfig, run_dir: Path, results: ResultsWriter, checkpoint: dict | None = None) -> None:
     task = D.load_task(cfg)
     device = M.resolve_device(cfg["device"])
@@ -331,25 +366,8 @@ def _run(grid: Grid, cfg: RunConfig, run_dir: Path, results: ResultsWriter, chec
     if privacy.enabled:
         (log.warning if disclosure.full else log.info)("privacy: results.json and this log hold: %s", disclosure.label())
 
-    noise = NoiseSource(cfg["seed"], cfg["dp.noise"])
-    strategy = build_strategy(
-        cfg["strategy.name"],
-        initial_state=initial_state,
-        rank=cfg["lora.rank"],
-        client_rate=cfg["strategy.client-rate"],
-        noise=noise,
-        privacy=privacy,
-        power_iters=cfg["strategy.power-iters"],
-        device=device,
-        eval_fraction=cfg["eval.fraction-clients"],
-        population=list(sizes),  # in partition order: the order of the sampling coins
-        refactor_every=cfg["strategy.refactor-every"],
-        client_level=cfg["dp.level"] == "client",
-        refactorization=cfg["strategy.client-refactorization"],
-        # m = q_c N: the client-level averages divide by it (sample level: privacy.fixed_denominator)
-        denominator=privacy.plan.denominator if cfg["dp.level"] == "client" else None,
-        disclosure=disclosure,
-    )
+    strategy = build_strategy(cfg["strategy.name"], **engine_arguments(
+        cfg, initial_state, privacy, population=list(sizes), device=device, disclosure=disclosure))
     evaluate_fn = CentralEvaluator(cfg, model, splits, device)
     t_start = time.time() - (float(checkpoint["elapsed"]) if checkpoint else 0.0)
     population_sizes = [int(sizes[node]) for node in sizes]
