@@ -546,3 +546,29 @@ def test_the_accounting_package_imports_no_torch():
     code = "import sys, fedpower_app.privacy.accounting, strategies.mechanisms; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_a_dp_sgd_step_is_one_more_event_of_the_accountant_interface():
+    """Issue #33: the silo's ledger is priced through the same Accountant interface as the
+    server's; a DP-SGD step is the event SGM(q = b/n, sigma), composed L times per round."""
+    from opacus.accountants import RDPAccountant as OpacusRDP
+
+    from fedpower_app.privacy.accounting.interface import dp_sgd_step, make_accountant
+    from fedpower_app.privacy.accounting.silo import SiloLedger
+
+    ledger = SiloLedger(delta=1e-5, accountant="rdp")
+    for _ in range(3):
+        ledger.record(0.05, 1.1, 4)
+    ledger.record(0.05, 0.9, 4)
+    for name in ("rdp", "pld"):
+        acc = make_accountant(name)
+        acc.compose(dp_sgd_step(0.05, 1.1), 12)
+        acc.compose(dp_sgd_step(0.05, 0.9), 4)
+        ledger.accountant = name
+        assert ledger.epsilon() == pytest.approx(acc.epsilon(1e-5), rel=1e-9)
+        assert acc.epsilon_after(dp_sgd_step(0.05, 0.9), 1e-5) > acc.epsilon(1e-5)
+    # and it prices a step as opacus' own DP-SGD accountant does (same analysis, other orders)
+    ref = OpacusRDP()
+    ref.history = [(1.1, 0.05, 12), (0.9, 0.05, 4)]
+    ledger.accountant = "rdp"
+    assert ledger.epsilon() == pytest.approx(ref.get_epsilon(1e-5), rel=0.03)

@@ -60,6 +60,20 @@ class RoundEvent:
         return cls(**{**d, "z_of_k": None if zk is None else tuple(float(z) for z in zk)})
 
 
+#: ``RoundEvent.sample_mode`` of one DP-SGD step (see :func:`dp_sgd_step`).
+DP_SGD_STEP = "dp-sgd-step"
+
+
+def dp_sgd_step(sample_rate: float, noise_multiplier: float) -> RoundEvent:
+    """One DP-SGD step on a silo's data: Poisson sampling of examples at rate q = b/n, the clipped
+    sum noised at multiplier σ, i.e. the subsampled Gaussian SGM(q, σ) under add/remove of one
+    example. A silo's trained round is this event composed L times. It is the same mechanism as a
+    client-level round (SGM(q_c, z) over silos), so both accountants price it with their
+    client-level curve; ``sample_mode`` marks it as a step over examples."""
+    return RoundEvent(level="client", q_c=float(sample_rate), pi=None, sample_mode=DP_SGD_STEP,
+                      z=float(noise_multiplier))
+
+
 def _composition_order(event: RoundEvent) -> tuple:
     """Order in which :meth:`PldAccountant.compose_all` composes distinct events.
 
@@ -126,6 +140,11 @@ class Accountant(abc.ABC):
             raise ValueError(f"not a {self.name} accountant state (mechanism {got!r})")
 
 
+#: Per-event RDP curves shared by every RdpAccountant of the process (read-only arrays; bounded):
+#: calibration builds many short-lived accountants over the same events.
+_SHARED_CURVES: dict = {}
+
+
 class RdpAccountant(Accountant):
     """Sum of per-round RDP curves over fixed orders; epsilon by opacus ``get_privacy_spent``.
 
@@ -144,7 +163,10 @@ class RdpAccountant(Accountant):
     def curve(self, event: RoundEvent) -> np.ndarray:
         """Per-round RDP curve of ``event`` (a fresh array; callers may modify it)."""
         if event not in self._curves:
-            if event.z_of_k is not None:
+            shared = _SHARED_CURVES.get((event, self.orders))
+            if shared is not None:  # computed by another accountant of this process (calibration)
+                self._curves[event] = shared
+            elif event.z_of_k is not None:
                 self._curves[event] = round_rdp_k_mixture(
                     event.z_of_k, q_c=event.q_c, pi=event.pi, num_clients=len(event.z_of_k),
                     sample_mode=event.sample_mode, orders=self.orders,
@@ -152,6 +174,8 @@ class RdpAccountant(Accountant):
             else:
                 self._curves[event] = round_rdp(event.level, event.z, q_c=event.q_c, pi=event.pi,
                                                 sample_mode=event.sample_mode, orders=self.orders)
+            if len(_SHARED_CURVES) < 4096:
+                _SHARED_CURVES[(event, self.orders)] = self._curves[event]
         return self._curves[event].copy()
 
     def compose(self, event: RoundEvent, count: int = 1) -> None:

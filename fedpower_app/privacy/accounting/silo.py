@@ -15,50 +15,34 @@ Both the server and every silo keep such a ledger: the server's to plan and to s
 to a silo at its budget, the silo's own (in Flower's ``Context.state``) so that its ε never
 depends on the server telling the truth.
 
-RDP uses opacus' analysis (``rdp``, the package's orders); PLD uses dp-accounting.
+A ledger is priced through the same ``Accountant`` interface as the server's ledger: a DP-SGD
+step is one more event type (``interface.dp_sgd_step``), RDP by opacus' analysis and PLD by
+dp-accounting.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from functools import lru_cache
 
-import numpy as np
-
+from .interface import dp_sgd_step, make_accountant
 from .pld import DEFAULT_PLD_INTERVAL
-from .rdp import rdp_sgm, rdp_to_epsilon
-
-
-def _pld_epsilon(events: tuple, delta: float, interval: float) -> float:
-    import dp_accounting
-
-    acc = dp_accounting.pld.PLDAccountant(value_discretization_interval=interval)
-    for q, sigma, steps in events:
-        if steps and q > 0 and sigma != math.inf:
-            acc.compose(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), int(steps))
-    return float(acc.get_epsilon(delta))
-
-
-@lru_cache(maxsize=4096)
-def _rdp_steps(q: float, sigma: float, steps: int) -> tuple:
-    return tuple(rdp_sgm(q, sigma) * steps)
 
 
 def dp_sgd_epsilon(events, delta: float, accountant: str = "rdp",
                    pld_interval: float = DEFAULT_PLD_INTERVAL) -> float:
-    """ε of a composition of DP-SGD runs ``events = [(q, σ, steps), ...]`` at ``delta``."""
+    """ε of a composition of DP-SGD runs ``events = [(q, σ, steps), ...]`` at ``delta``: each
+    step is the accountant interface's :func:`dp_sgd_step` event, composed in the given order."""
     events = tuple((float(q), float(s), int(n)) for q, s, n in events if n > 0)
     if not events:
         return 0.0
     if any(s <= 0 for _, s, _ in events):
         return math.inf
-    if accountant == "pld":
-        return _pld_epsilon(events, delta, pld_interval)
-    if accountant != "rdp":
-        raise ValueError(f"accountant must be rdp or pld, got {accountant!r}")
-    vec = np.sum([np.asarray(_rdp_steps(q, s, n)) for q, s, n in events], axis=0)
-    return rdp_to_epsilon(vec, delta)[0]
+    acc = make_accountant(accountant, value_discretization_interval=pld_interval)
+    for q, s, n in events:
+        if q > 0 and s != math.inf:
+            acc.compose(dp_sgd_step(q, s), n)
+    return acc.epsilon(delta)
 
 
 def calibrate_noise_multiplier(sample_rate: float, steps: int, epsilon: float, delta: float,
