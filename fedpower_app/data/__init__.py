@@ -2,7 +2,8 @@
 
 * ``pipeline``: pick a task's source, split it across silos (IID or label-skewed), tokenise once
   and cache on disk (``load_task``, ``client_shard``, ``eval_splits``, ``TokenizedSplit``, ...);
-* ``glue``: SST-2, QNLI, MNLI and QQP from local files or the Hugging Face hub;
+* ``glue``: SST-2, QNLI, MNLI and QQP from local files or the Hugging Face hub (the loaders; the
+  task specs are in ``glue_tasks``, the file readers in ``glue_files``);
 * ``synthetic``: the generated offline task;
 * ``types``: ``TextExamples`` and ``TaskData``.
 
@@ -14,5 +15,5 @@ from __future__ import annotations
 
 from ..lazy import forward_to
 
-__getattr__ = forward_to(__name__, "pipeline", ("pipeline", "glue", "synthetic", "types"))
+__getattr__ = forward_to(__name__, "pipeline", ("pipeline", "glue", "glue_tasks", "glue_files", "synthetic", "types"))
 
