@@ -26,6 +26,8 @@ def write_atomic(path: Path | str, data: bytes | str, *, before_replace: Callabl
     return path
 
 
-def write_json_atomic(path: Path | str, payload: Any, *, indent: int = 2) -> Path:
-    """``payload`` as JSON (non-JSON values via ``str``), one trailing newline, written atomically."""
-    return write_atomic(path, json.dumps(payload, indent=indent, default=str) + "\n")
+def write_json_atomic(path: Path | str, payload: Any, *, indent: int | None = 2) -> Path:
+    """``payload`` as JSON (non-JSON values via ``str``), one trailing newline, written atomically.
+    ``indent=None`` writes it minified (the compact results committed to ``results/``)."""
+    separators = (",", ":") if indent is None else None
+    return write_atomic(path, json.dumps(payload, indent=indent, separators=separators, default=str) + "\n")

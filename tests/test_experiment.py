@@ -965,3 +965,51 @@ def test_compact_cells_keep_the_tables_and_drop_the_bulk(tmp_path, capsys):
     # a second pass leaves compacted cells alone
     assert X.main(["--out", str(out), "--report-only", "--compact"]) == 0
     assert "compacted 0 cell" in capsys.readouterr().out
+
+
+def test_compact_cells_fold_the_cell_record_into_one_minified_file(tmp_path, capsys):
+    """Issue #33: a committed cell is one file. --compact folds cell.json into results.json
+    (minified); the cell's record still answers "were these results made with other settings?"."""
+    import shutil
+
+    out = tmp_path / "grid"
+    shutil.copytree(PROJECT_ROOT / "results" / "cross-device-sst2", out)
+    spec = X.GridSpec.from_dict(json.loads((out / "manifest.json").read_text())["grid"])
+    cells = [c for c in X.validate(spec, out) if X.is_finished(out, c)]
+    cell = cells[0]
+    path = X.results_path(out, cell)
+    data = json.loads(path.read_text())
+    record = data.pop("cell", None) or {"overrides": X.cell_overrides(spec, cell, out), "status": "completed"}
+    data.pop(X.COMPACT_MARK, None)
+    path.write_text(json.dumps(data, indent=2))
+    (path.parent / "cell.json").write_text(json.dumps(record, indent=2))
+    before = X.config_changes(spec, cell, out)
+    assert X.compact_cells(out, [cell]) == 1
+    assert not (path.parent / "cell.json").exists()
+    text = path.read_text()
+    assert "\n" not in text.rstrip("\n") and json.loads(text)["cell"] == record
+    assert X.store.cell_record(path.parent) == record
+    assert X.config_changes(spec, cell, out) == before
+    spec.overrides = {**spec.overrides, "train.lr": 0.123}  # a changed setting is still seen
+    assert any(c.startswith("train.lr") for c in X.config_changes(spec, cell, out))
+
+
+def test_figures_are_saved_with_a_palette(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from PIL import Image
+
+    from fedpower_app.figures import compact_png, save_png
+
+    fig, ax = plt.subplots()
+    ax.plot(range(10), [x * x for x in range(10)], label="a")
+    ax.legend()
+    fig.savefig(tmp_path / "rgba.png", dpi=110)
+    save_png(fig, tmp_path / "palette.png", dpi=110)
+    plt.close(fig)
+    with Image.open(tmp_path / "palette.png") as im, Image.open(tmp_path / "rgba.png") as ref:
+        assert im.mode == "P" and im.size == ref.size
+    assert (tmp_path / "palette.png").stat().st_size < (tmp_path / "rgba.png").stat().st_size
+    assert compact_png(tmp_path / "rgba.png") > 0 and compact_png(tmp_path / "rgba.png") == 0

@@ -13,6 +13,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from ..figures import save_png
 from .plan import (CANARY_SCORE, CONFIDENCE, FORMAT, GUESS_FRACTION, AuditError, AuditPlan, _write_json,
                    load_plan, run_dir, run_finished)
 
@@ -211,7 +212,7 @@ def plot_roc(metrics: dict, curve: list, path: Path, *, title: str) -> None:
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_png(fig, path, dpi=120)
     plt.close(fig)
 
 
@@ -236,7 +237,7 @@ def plot_bars(reports: dict[str, dict], path: Path) -> None:
     ax.set_ylim(45, max(60, 5 + max(100 * r["attacks"][a]["balanced_accuracy"] for r in reports.values() for a in attacks)))
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_png(fig, path, dpi=120)
     plt.close(fig)
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 
+from ..figures import save_png
 from .spec import Cell, FINISHED, GridSpec, SPLIT_LABELS, TABLE_TITLES, TASK_LABELS, _eps_sort_key, canonical_method, eps_label, eps_tag, method_label, refactor_every
 from .store import cell_metrics, config_changes, eval_splits_of, read_results, results_path
 
@@ -315,7 +316,7 @@ def plot_curves(collected: Collected, task: str, eps: float | None, methods: Seq
                  f"(mean ± std over seeds)")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    save_png(fig, path, dpi=110)
     plt.close(fig)
     return True
 

@@ -30,6 +30,15 @@ def read_results(path: Path) -> dict[str, Any] | None:
         return None
 
 
+def cell_record(cell_dir: Path) -> dict[str, Any] | None:
+    """A cell's record (``cell.json``: overrides, status, attempts), or the copy a compacted
+    ``results.json`` keeps under ``"cell"`` (``--report-only --compact`` folds it in)."""
+    record = read_results(cell_dir / "cell.json")
+    if record is None:
+        record = (read_results(cell_dir / "results.json") or {}).get("cell")
+    return record if isinstance(record, dict) else None
+
+
 def cell_status(out: Path, cell: Cell) -> str:
     """``completed``/``stopped-budget`` (finished), ``failed``, ``running`` (interrupted) or ``missing``."""
     data = read_results(results_path(out, cell))
@@ -127,7 +136,7 @@ def config_changes(spec: GridSpec, cell: Cell, out: Path) -> list[str]:
     used is not a change. A key the old run's code did not know yet (absent from its resolved config)
     cannot be compared and is skipped. Empty for a cell without a record (nothing to compare)."""
     cell_dir = out / "cells" / cell.cell_id
-    old = (read_results(cell_dir / "cell.json") or {}).get("overrides")
+    old = (cell_record(cell_dir) or {}).get("overrides")
     if not isinstance(old, dict):
         return []
     old_resolved = (read_results(cell_dir / "results.json") or {}).get("config") or {}
@@ -363,12 +372,23 @@ def compact_results(data: dict[str, Any], *, max_sizes: int = 20) -> dict[str, A
 
 
 def compact_cells(out: Path, cells: Sequence[Cell]) -> int:
-    """Rewrite every finished cell's results.json in compact form; the number rewritten."""
+    """Rewrite every finished cell's results.json in compact form, minified, with its cell.json
+    folded in under ``"cell"`` (one file per cell); the number rewritten."""
     n = 0
     for cell in cells:
         path = results_path(out, cell)
         data = read_results(path)
-        if data and data.get("status") in FINISHED and COMPACT_MARK not in data:
-            _write_json(path, compact_results(data))
-            n += 1
+        record = path.parent / "cell.json"
+        if not data or data.get("status") not in FINISHED:
+            continue
+        if COMPACT_MARK in data and "cell" in data and not record.exists():
+            continue  # already compact
+        compact = compact_results(data) if COMPACT_MARK not in data else dict(data)
+        cell_data = read_results(record)
+        if cell_data is not None:
+            compact["cell"] = cell_data
+        write_json_atomic(path, compact, indent=None)
+        if cell_data is not None:
+            record.unlink()
+        n += 1
     return n
