@@ -1,6 +1,6 @@
 """Cross-device cost: a round's time at N = 100 and N = 1000 clients with the same cohort.
 
-The real ServerApp and ClientApp run on an in-process grid (``fedpower_app.inprocess``: Flower
+The real ServerApp and ClientApp run on an in-process grid (``fedpower_app.runs.inprocess_grid``: Flower
 Messages and ArrayRecords, no Ray, no SuperLink) at client level (DP on round deltas), with the
 same expected cohort (q_c N = 10), the same per-client shard (40 generated examples) and the same
 local work. What may grow with N is the server's bookkeeping: the sampling coins, the roster
@@ -22,8 +22,8 @@ from pathlib import Path
 def one(n: int, cohort: int, rounds: int, tmp: Path) -> dict:
     from client_app.app import app as client_app
     from fedpower_app.config import parse_config
-    from fedpower_app.inprocess import InProcessGrid
-    from fedpower_app.results import ResultsWriter
+    from fedpower_app.runs.inprocess_grid import InProcessGrid
+    from fedpower_app.runs.results import ResultsWriter
     from server_app import app as server
 
     cfg = parse_config({"task.synthetic-train-size": 40 * n, "task.synthetic-eval-size": 100, "task.max-length": 32,

@@ -220,9 +220,9 @@ def _bare_setup(overrides: dict, device_name: str) -> dict:
 # ----------------------------------------------------------------------------------------------
 def inprocess_flower(overrides: dict, device_name: str, out_dir: Path) -> dict:
     from client_app.app import app as client_app
-    from fedpower_app.inprocess import InProcessGrid
+    from fedpower_app.runs.inprocess_grid import InProcessGrid
     from fedpower_app.config import parse_config
-    from fedpower_app.results import ResultsWriter
+    from fedpower_app.runs.results import ResultsWriter
     from server_app.app import _run
 
     run_name = f"inproc-{overrides['strategy.name']}-{uuid.uuid4().hex[:6]}"

@@ -1,6 +1,6 @@
 """Run a preset on the in-process grid: the real ServerApp and ClientApp, one process, no Ray.
 
-A command-line front end for ``fedpower_app.inprocess_run`` (preset + ``--set`` overrides, as
+A command-line front end for ``fedpower_app.runs.inprocess`` (preset + ``--set`` overrides, as
 ``fedpower-run``), for client-level DP with many virtual clients on a CPU (issue #14). For a grid
 of methods, budgets and seeds use ``fedpower-experiment --backend inprocess``.
 
@@ -34,7 +34,7 @@ def main(argv=None) -> int:
     import torch
 
     from fedpower_app.config import ConfigError, load_preset, parse_config, with_method_preset
-    from fedpower_app.inprocess_run import final_line, run_inprocess
+    from fedpower_app.runs.inprocess import final_line, run_inprocess
     from fedpower_app.launcher import parse_set
     from fedpower_app.logging_setup import setup_logging
 

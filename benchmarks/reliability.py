@@ -1,6 +1,6 @@
 """Fault injection: the table of RELIABILITY.md, measured.
 
-Every scenario runs the real ServerApp and ClientApp in-process (``fedpower_app.inprocess``) on the
+Every scenario runs the real ServerApp and ClientApp in-process (``fedpower_app.runs.inprocess_grid``) on the
 tiny generated task (2-3 silos, 3-4 rounds, DP-SGD on the silos) in a subprocess, so a fault can be
 a real SIGKILL (``FEDPOWER_FAULT``, fedpower_app/checkpoint.py). For each scenario it reports the
 rounds lost or repeated, the epsilon accounted against an uninterrupted run of the same seed,
@@ -35,7 +35,7 @@ def worker(cfg_json: str, nodes: int, silent: str) -> None:
 
     from client_app.app import app as client_app
     from fedpower_app.config import parse_config
-    from fedpower_app.inprocess import InProcessGrid
+    from fedpower_app.runs.inprocess_grid import InProcessGrid
     from server_app import app as server
 
     cfg = parse_config(json.loads(cfg_json))

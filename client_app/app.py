@@ -28,7 +28,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, 
 from flwr.clientapp import ClientApp
 
 from fedpower_app import data as D
-from fedpower_app.atomic import write_atomic
+from fedpower_app.runs.atomic import write_atomic
 from fedpower_app import model as M
 from fedpower_app.config import RunConfig, parse_config
 from fedpower_app.training.dp_sgd import DPSGDParams
@@ -202,7 +202,7 @@ def _release_key(cfg: RunConfig, server_round: int) -> str | None:
     the same release (a resumed run re-running a round the silo already paid for). Hardened: None."""
     if cfg["dp.noise"] != "seeded":
         return None
-    from fedpower_app.checkpoint import config_fingerprint
+    from fedpower_app.runs.checkpoint import config_fingerprint
 
     return f"{config_fingerprint(cfg.to_dict())[:32]}:{server_round}"
 

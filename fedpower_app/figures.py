@@ -8,7 +8,7 @@ from __future__ import annotations
 import io
 from pathlib import Path
 
-from .atomic import write_atomic
+from .runs.atomic import write_atomic
 
 
 def save_png(fig, path: Path | str, *, dpi: int = 110) -> Path:

@@ -17,14 +17,15 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid, ServerApp
 
-from fedpower_app import checkpoint as CK
+from fedpower_app.runs import checkpoint as CK
+from fedpower_app.runs.spec import default_run_name
 from fedpower_app import data as D
 from fedpower_app import model as M
 from fedpower_app.config import RunConfig, parse_config
 from fedpower_app.logging_setup import setup_logging
 from fedpower_app.privacy import build_privacy, guarantee
 from fedpower_app.released import save_released
-from fedpower_app.results import ResultsWriter
+from fedpower_app.runs.results import ResultsWriter
 from fedpower_app.training import evaluate as evaluate_model
 from strategies.engine import build_engine
 from strategies.flower import RoundReport, build_strategy, exchange
@@ -36,7 +37,7 @@ log = logging.getLogger("fedpower")
 
 
 def run_directory(cfg: RunConfig) -> Path:
-    name = cfg["run-name"] or f"{cfg['strategy.name']}-{cfg['task.name']}-{time.strftime('%Y%m%d-%H%M%S')}"
+    name = cfg["run-name"] or default_run_name(cfg)
     return Path(cfg["output-dir"]).expanduser() / name
 
 

@@ -6,7 +6,7 @@ import sys
 
 from client_app.app import app as client_app
 from fedpower_app.config import parse_config
-from fedpower_app.inprocess import InProcessGrid
+from fedpower_app.runs.inprocess_grid import InProcessGrid
 from server_app import app as server
 
 if __name__ == "__main__":

@@ -10,9 +10,9 @@ import torch
 
 from client_app.app import app as client_app
 from fedpower_app.config import parse_config
-from fedpower_app.results import ResultsWriter
+from fedpower_app.runs.results import ResultsWriter
 from server_app import app as server
-from fedpower_app.inprocess import InProcessGrid
+from fedpower_app.runs.inprocess_grid import InProcessGrid
 
 TINY = {"task.synthetic-train-size": 240, "task.synthetic-eval-size": 120, "task.max-length": 32,
         "train.local-steps": 2, "train.batch-size": 16, "strategy.client-rate": 1.0,

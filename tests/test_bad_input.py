@@ -73,7 +73,7 @@ def test_in_a_deployment_the_server_fails_the_run_cleanly(tmp_path):
     size query, before any round: results.json says failed and why, and no adapter is written."""
     from client_app.app import app as client_app
     from fedpower_app.config import parse_config
-    from fedpower_app.inprocess import InProcessGrid
+    from fedpower_app.runs.inprocess_grid import InProcessGrid
     from server_app import app as server
     from tests.test_app_inprocess import TINY
 

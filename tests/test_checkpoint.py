@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fedpower_app import checkpoint as CK
+from fedpower_app.runs import checkpoint as CK
 from fedpower_app.config import PROJECT_ROOT, parse_config
 
 TINY = {"task.synthetic-train-size": 240, "task.synthetic-eval-size": 80, "task.max-length": 32,

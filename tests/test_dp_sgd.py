@@ -397,8 +397,8 @@ def test_silo_refuses_without_parameters_with_bad_ones_or_past_its_budget():
 
 def _run(tmp_path, node_config=None, **overrides):
     from client_app.app import app as client_app
-    from fedpower_app.inprocess import InProcessGrid
-    from fedpower_app.results import ResultsWriter
+    from fedpower_app.runs.inprocess_grid import InProcessGrid
+    from fedpower_app.runs.results import ResultsWriter
     from server_app import app as server
     from tests.test_app_inprocess import TINY
 

@@ -41,7 +41,7 @@ def test_a_silent_silo_misses_the_round_without_stalling_it(tmp_path):
 def test_a_restarted_silo_rejoins_with_its_ledger_and_a_stranger_is_not_admitted(tmp_path):
     """Node 101 (partition 1) crashes during round 2 and comes back as node 555 (a restarted
     SuperNode gets a new id); node 777 claims a partition no silo has."""
-    from fedpower_app.inprocess import InProcessGrid
+    from fedpower_app.runs.inprocess_grid import InProcessGrid
 
     grids = []
     original_init = InProcessGrid.__init__

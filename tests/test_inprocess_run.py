@@ -31,7 +31,7 @@ def test_client_level_run_with_many_clients_accounts_at_the_fixed_cohort(tmp_pat
 
 
 def test_product_entry_point_rejects_a_bad_config_before_training(tmp_path, capsys):
-    from fedpower_app import inprocess_run as R
+    from fedpower_app.runs import inprocess as R
 
     cfg = tmp_path / "cfg.json"
     cfg.write_text(json.dumps({"task.name": "synthetic", "lora.rank": 0, "output-dir": str(tmp_path / "out")}))

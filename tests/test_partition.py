@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedpower_app import checkpoint as CK
+from fedpower_app.runs import checkpoint as CK
 from fedpower_app import data as D
 from fedpower_app.config import ConfigError, parse_config
 from fedpower_app.data.glue import iid_partition_indices, load_glue

@@ -10,7 +10,7 @@ from fedpower_app.config import parse_config
 from fedpower_app.privacy import AccountedPrivacy, NonPrivate, build_privacy, guarantee
 from strategies.flower import FedPowerStrategy
 from strategies.noise import NoiseSource
-from fedpower_app.inprocess import InProcessGrid
+from fedpower_app.runs.inprocess_grid import InProcessGrid
 from tests.test_strategies import fake_client, initial_state, r
 
 SIZES = [500] * 6

@@ -5,7 +5,7 @@ bare loop of benchmarks/e2e.py reproduces a Flower run bit for bit."""
 import pytest
 import torch
 
-from fedpower_app import checkpoint as CK
+from fedpower_app.runs import checkpoint as CK
 from fedpower_app.config import parse_config
 from strategies import engine as E
 from strategies import flower as F

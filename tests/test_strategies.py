@@ -9,7 +9,7 @@ from flwr.app import ArrayRecord, Error, Message, MetricRecord, RecordDict
 from strategies.privacy_contract import ServerSideDefaults
 from strategies.flower import BudgetExhausted, FedLoRAStrategy, FedPowerStrategy, FFALoRAStrategy, build_strategy
 from strategies.noise import NoiseSource
-from fedpower_app.inprocess import InProcessGrid
+from fedpower_app.runs.inprocess_grid import InProcessGrid
 
 M_NAMES = [f"layer.{i}.query" for i in range(2)] + [f"layer.{i}.value" for i in range(2)]
 m, n, r = 12, 10, 2

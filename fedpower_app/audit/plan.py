@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from ..atomic import write_json_atomic
+from ..runs.atomic import write_json_atomic
 from ..config import ConfigError, parse_config
 
 FORMAT = "fedpower-audit/1"

@@ -88,7 +88,7 @@ def run_cell(spec: GridSpec, cell: Cell, out: Path, *, flwr_home: Path, port: in
 def _finish_inprocess_cell(spec: GridSpec, cell: Cell, out: Path, cell_dir: Path, overrides: dict[str, Any],
                            entry: dict[str, Any], resume_from: int | None, *, timeout: float | None, echo: bool,
                            keep_adapters: bool, cell_lock=None) -> dict[str, Any]:
-    """Run one cell on the in-process grid (``fedpower_app.inprocess_run``) in a child process:
+    """Run one cell on the in-process grid (``fedpower_app.runs.inprocess``) in a child process:
     ``spec.supernodes`` virtual clients, one model. The child process keeps a crash or a timeout
     from taking the grid down, and frees the model's memory between cells."""
     import subprocess
@@ -97,7 +97,7 @@ def _finish_inprocess_cell(spec: GridSpec, cell: Cell, out: Path, cell_dir: Path
 
     config_file = cell_dir / "run-config.json"
     _write_json(config_file, overrides)
-    cmd = [sys.executable, "-m", "fedpower_app.inprocess_run", "--config-json", str(config_file),
+    cmd = [sys.executable, "-m", "fedpower_app.runs.inprocess", "--config-json", str(config_file),
            "--clients", str(spec.supernodes)]
     if spec.threads:
         cmd += ["--threads", str(spec.threads)]

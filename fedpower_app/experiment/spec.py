@@ -18,7 +18,7 @@ FINISHED = ("completed", "stopped-budget")
 FORMAT = "fedpower-experiment/1"
 
 
-# How a cell runs: a `flwr run` Ray simulation, or the in-process grid (fedpower_app.inprocess_run).
+# How a cell runs: a `flwr run` Ray simulation, or the in-process grid (fedpower_app.runs.inprocess).
 BACKENDS = ("flwr", "inprocess")
 
 

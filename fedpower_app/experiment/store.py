@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ..runs import is_inside
-from ..atomic import write_json_atomic
+from ..runs.atomic import write_json_atomic
 from ..config import PROJECT_ROOT, ConfigError, parse_config
 
 from .spec import Cell, FINISHED, FORMAT, GridError, GridSpec, cell_overrides
@@ -292,7 +292,7 @@ def _try_lock(path: Path, *, shared: bool = False, patience: float = 0.0):
 def resumable_round(cell_dir: Path, overrides: dict[str, Any]) -> int | None:
     """The last checkpointed round of an interrupted attempt of this cell with the same run
     config, or None (no attempt, no checkpoint, a failed or finished attempt, or other overrides)."""
-    from ..checkpoint import CHECKPOINT_FILE
+    from ..runs.checkpoint import CHECKPOINT_FILE
 
     if not (cell_dir / CHECKPOINT_FILE).exists():
         return None

@@ -77,6 +77,8 @@ from pathlib import Path
 from typing import Any
 
 from ..config import PROJECT_ROOT, ConfigError, RunConfig, load_preset, validate_overrides, with_method_preset
+from ..runs import BACKENDS, RunSpec
+from ..runs.spec import default_run_name
 
 from .flwr_cli import _home
 from .processes import _DeferSignals, _Terminated, _become_subreaper, _on_signal, _stop_orphans
@@ -110,7 +112,7 @@ def parse_set(items) -> dict[str, Any]:
 def resume_overrides(run_dir: str | Path) -> dict[str, Any]:
     """The run config of a run to resume: its resolved config (results.json), with ``resume`` set,
     checked against its checkpoint now, so a refused checkpoint fails before anything starts."""
-    from ..checkpoint import CheckpointError, load_checkpoint
+    from ..runs.checkpoint import CheckpointError, load_checkpoint
 
     run_dir = Path(run_dir).expanduser().resolve()
     try:
@@ -197,6 +199,25 @@ def check_data(cfg: RunConfig, num_supernodes: int) -> None:
         raise ConfigError(problem)
 
 
+def _run_inprocess(spec: RunSpec, threads: int | None) -> int:
+    """The in-process backend: the run in this process; exit 0 when it completed."""
+    import time as _time
+
+    import torch
+
+    from ..logging_setup import setup_logging
+    from ..runs.inprocess import final_line, run_inprocess
+
+    if threads:
+        torch.set_num_threads(threads)
+    setup_logging()
+    t0 = _time.perf_counter()
+    run_dir = run_inprocess(spec.overrides, spec.supernodes)
+    print(f"\nfedpower-run: {final_line(run_dir, _time.perf_counter() - t0)}")
+    status = (json.loads((run_dir / "results.json").read_text()) or {}).get("status")
+    return 0 if status == "completed" else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="fedpower-run", description=__doc__.split("\n\n")[0],
                                 epilog="Exit codes: 0 run completed, 1 run failed, 2 bad arguments/config or "
@@ -207,8 +228,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a run-config key (TOML value)")
     p.add_argument("--supernodes", type=int, default=None,
                    help="number of simulated silos (default 6; with --resume, the run's own number)")
-    p.add_argument("--cpus-per-client", type=float, default=1)
-    p.add_argument("--gpus-per-client", type=float, default=0.0, help="fraction of a GPU per ClientApp (e.g. 0.25)")
+    p.add_argument("--cpus-per-client", type=float, default=None, help="CPUs per ClientApp (default 1; with "
+                   "--resume, the run's own)")
+    p.add_argument("--gpus-per-client", type=float, default=None, help="fraction of a GPU per ClientApp (e.g. 0.25; "
+                   "default 0; with --resume, the run's own)")
+    p.add_argument("--backend", choices=BACKENDS, default=None,
+                   help="flwr: a Flower simulation through a SuperLink (default); inprocess: the real ServerApp and "
+                        "ClientApp in this process, one model for every virtual silo (no Ray, no transport)")
+    p.add_argument("--threads", type=int, default=None, help="inprocess backend: torch threads")
     p.add_argument("--flwr-home", default=os.environ.get("FLWR_HOME"), help="Flower home (default ~/.flwr)")
     p.add_argument("--verbose", action="store_true",
                    help="show all output (Flower DEBUG log, Ray and library warnings, progress bars)")
@@ -223,7 +250,17 @@ def main(argv: list[str] | None = None) -> int:
         overrides = {**(load_preset(args.preset) if args.preset else {}), **sets}
         if args.resume:
             overrides = {**resume_overrides(args.resume), **overrides}
-            args.supernodes = resumed_supernodes(args.resume, args.supernodes)
+            spec = RunSpec.load(Path(args.resume).expanduser())
+            if spec is None:  # a run from before run.json: its silo count is in results.json
+                spec = RunSpec(supernodes=resumed_supernodes(args.resume, args.supernodes))
+            federation = {"supernodes": args.supernodes, "cpus_per_client": args.cpus_per_client,
+                          "gpus_per_client": args.gpus_per_client, "backend": args.backend}
+            for key, value in federation.items():  # the run's own federation; a different one is refused
+                if value is not None and value != getattr(spec, key):
+                    raise ConfigError(f"--resume {args.resume}: the run was started with --{key.replace('_', '-')} "
+                                      f"{getattr(spec, key)}; {value} would be another federation (leave it out "
+                                      "to resume with the run's own)")
+            spec.overrides = overrides
         else:  # the method's tuned settings, where neither the preset nor --set chose (issue #32)
             overrides, from_method, method_source = with_method_preset(overrides, explicit=sets)
             if from_method:
@@ -231,11 +268,20 @@ def main(argv: list[str] | None = None) -> int:
                       f"({method_source}): "
                       + ", ".join(f"{k}={v!r}" for k, v in from_method.items()) + " (a --set of a key wins)",
                       flush=True)
-        if args.supernodes is None:
-            args.supernodes = 6
-        check_launch(overrides, app_dir=args.app, num_supernodes=args.supernodes,
-                     cpus_per_client=args.cpus_per_client, gpus_per_client=args.gpus_per_client,
-                     flwr_home=args.flwr_home)
+            spec = RunSpec(overrides, backend=args.backend or "flwr",
+                           supernodes=6 if args.supernodes is None else args.supernodes,
+                           cpus_per_client=1.0 if args.cpus_per_client is None else args.cpus_per_client,
+                           gpus_per_client=0.0 if args.gpus_per_client is None else args.gpus_per_client)
+        spec.check()
+        args.supernodes, args.cpus_per_client, args.gpus_per_client = (spec.supernodes, spec.cpus_per_client,
+                                                                       spec.gpus_per_client)
+        cfg = check_launch(overrides, app_dir=args.app, num_supernodes=args.supernodes,
+                           cpus_per_client=args.cpus_per_client, gpus_per_client=args.gpus_per_client,
+                           flwr_home=args.flwr_home)
+        if not args.resume:  # name the run now, so that its spec is in its directory before it starts
+            if not cfg["run-name"]:
+                overrides["run-name"] = spec.overrides["run-name"] = default_run_name(cfg)
+            spec.save(Path(cfg["output-dir"]).expanduser() / overrides.get("run-name", cfg["run-name"]))
     except ConfigError as exc:
         print(f"fedpower-run: error: {exc}", file=sys.stderr)
         return 2
@@ -250,6 +296,8 @@ def main(argv: list[str] | None = None) -> int:
         for sig in (signal.SIGTERM, signal.SIGHUP):
             previous[sig] = signal.signal(sig, _on_signal)
     try:
+        if spec.backend == "inprocess":
+            return _run_inprocess(spec, args.threads)
         outcome = run_flwr(args.app, overrides, num_supernodes=args.supernodes,
                            cpus_per_client=args.cpus_per_client, gpus_per_client=args.gpus_per_client,
                            flwr_home=args.flwr_home, verbose=args.verbose, keep_superlink=False)

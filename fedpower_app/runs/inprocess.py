@@ -10,7 +10,7 @@ and ``resume = true`` continues an interrupted run from its checkpoint, as there
 Not a deployment path: no transport, no SuperLink, no silo isolation. ``fedpower-experiment
 --backend inprocess`` runs each grid cell through this module in a child process:
 
-    python -m fedpower_app.inprocess_run --config-json cell.json --clients 1000 [--threads 2]
+    python -m fedpower_app.runs.inprocess --config-json cell.json --clients 1000 [--threads 2]
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ def run_inprocess(overrides: dict[str, Any], num_clients: int) -> Path:
     from client_app.app import app as client_app
     from server_app import app as server
 
-    from .config import parse_config
-    from .inprocess import InProcessGrid
+    from ..config import parse_config
+    from .inprocess_grid import InProcessGrid
 
     cfg = parse_config(overrides)
     # run_server, as the ServerApp's main: checkpoints, resume, and a failed status in results.json.
@@ -50,7 +50,7 @@ def final_line(run_dir: Path, seconds: float) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m fedpower_app.inprocess_run", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m fedpower_app.runs.inprocess", description=__doc__.split("\n")[0])
     ap.add_argument("--config-json", required=True, help="a JSON object of run-config keys (the full overrides)")
     ap.add_argument("--clients", type=int, required=True, help="number of virtual clients N")
     ap.add_argument("--threads", type=int, default=None,
@@ -65,7 +65,7 @@ def main(argv=None) -> int:
     if not isinstance(overrides, dict):
         ap.error(f"--config-json {a.config_json}: a JSON object of run-config keys expected")
 
-    from .config import ConfigError, parse_config
+    from ..config import ConfigError, parse_config
 
     try:
         parse_config(overrides)  # a bad config fails here, before torch threads or logging are touched
@@ -75,7 +75,7 @@ def main(argv=None) -> int:
 
     import torch
 
-    from .logging_setup import setup_logging
+    from ..logging_setup import setup_logging
 
     if a.threads:
         torch.set_num_threads(a.threads)

@@ -27,7 +27,7 @@ def _clean(value: Any) -> Any:
 
 
 def write_json_atomic(path: Path, payload: dict) -> None:
-    """results.json: strict JSON (NaN/inf as null), written atomically (fedpower_app.atomic)."""
+    """results.json: strict JSON (NaN/inf as null), written atomically (fedpower_app.runs.atomic)."""
     write_atomic(path, json.dumps(_clean(payload), indent=2, sort_keys=False) + "\n")
 
 

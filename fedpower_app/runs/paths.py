@@ -7,7 +7,7 @@ import os
 import zlib
 from pathlib import Path
 
-from .config import PROJECT_ROOT
+from ..config import PROJECT_ROOT
 
 
 def is_inside(path: Path, root: Path) -> bool:
