@@ -7,12 +7,12 @@ refactorizations are its ``CLIENT_REFACTORIZATION`` keys.
 
 from __future__ import annotations
 
-from strategies.mechanisms import CLIENT_REFACTORIZATION
+from strategies.mechanisms import CLIENT_REFACTORIZATION, METHODS
 
-#: Server strategies (``strategy.name``).
-STRATEGIES = ("fedpower", "fedlora", "ffa-lora", "fedsvd", "input-perturbation", "output-perturbation")
+#: Server strategies (``strategy.name``): the methods of ``strategies.mechanisms.METHODS``.
+STRATEGIES = tuple(METHODS)
 #: Methods the server-side accountant plans (FedSVD has no server-side noise: DP-SGD or none only).
-ACCOUNTED_METHODS = ("fedpower", "fedlora", "ffa-lora", "input-perturbation", "output-perturbation")
+ACCOUNTED_METHODS = tuple(name for name, m in METHODS.items() if m.accounted)
 DP_LEVELS = ("none", "sample", "client")
 #: Where sample-level noise is added: DP-SGD on every silo, or the paper's server-side noise.
 NOISE_AT = ("silo", "server")

@@ -29,18 +29,18 @@ log = logging.getLogger("fedpower")
 
 LORA_A, LORA_B = ".lora_A.weight", ".lora_B.weight"
 
-#: Each strategy name's method family (FedPower's ablations are FedPower with another release).
-METHOD_FAMILY = {"fedpower": "fedpower", "input-perturbation": "fedpower", "output-perturbation": "fedpower",
-                 "fedlora": "fedlora", "ffa-lora": "ffa-lora", "fedsvd": "fedsvd"}
+#: Each strategy name's engine (FedPower's ablations are FedPower with another release): the
+#: method table (strategies.mechanisms.METHODS) is the one home.
+METHOD_FAMILY = {name: m.engine for name, m in MECH.METHODS.items()}
 #: Methods whose silos train (and send back) only B against the global A.
-B_ONLY_METHODS = ("ffa-lora", "fedsvd")
+B_ONLY_METHODS = tuple(name for name, m in MECH.METHODS.items() if m.trains == "B")
 
 
 def trained_lora_factors(name: str) -> str:
     """What a silo trains under strategy ``name``: "AB", or "B" (FFA-LoRA and FedSVD freeze A)."""
-    if name not in METHOD_FAMILY:
+    if name not in MECH.METHODS:
         raise ValueError(f"unknown strategy {name!r}")
-    return "B" if METHOD_FAMILY[name] in B_ONLY_METHODS else "AB"
+    return MECH.METHODS[name].trains
 
 
 @dataclass
@@ -74,11 +74,12 @@ class RoundEngine:
     release, apply, commit. Subclasses (or ``method=``) choose the method."""
 
     method = "base"
-    replies_a = True  # do silos send A back? (FFA-LoRA, FedSVD: no)
+    replies_a = True  # do silos send A back? Set from the method table (FFA-LoRA, FedSVD: no)
 
     def __init__(
         self,
         *,
+        method: str | None = None,
         initial_state: dict[str, torch.Tensor],
         rank: int,
         client_rate: float,
@@ -96,6 +97,11 @@ class RoundEngine:
     ) -> None:
         if not 0.0 < client_rate <= 1.0:
             raise ValueError(f"client_rate must be in (0, 1], got {client_rate}")
+        if method is not None:
+            self.method = method
+        spec = MECH.METHODS.get(self.method)  # the method table: what its silos train, where it is defined
+        if spec is not None:
+            self.replies_a = spec.trains == "AB"
         self.rank = rank
         self.client_rate = client_rate
         self.noise = noise or NoiseSource()
@@ -120,6 +126,8 @@ class RoundEngine:
             raise ValueError(f"refactorization must be one of {list(MECH.CLIENT_REFACTORIZATION)}, "
                              f"got {refactorization!r}")
         self.client_level, self.refactorization, self.denominator = client_level, refactorization, denominator
+        if spec is not None and spec.silo_noise_only and (self.privacy.noise_at == "server" or client_level):
+            raise ValueError(f"{self.method} is defined with DP-SGD on the silos (dp.noise-at = silo) or without DP")
         self.method_name = self.method  # FedPower's ablations set their own (input/output-perturbation)
         self.refactor_every = 1
         self.device = device
@@ -172,7 +180,7 @@ class RoundEngine:
     def _release_args(self) -> MECH.ReleaseArgs:
         if self.client_level:
             return MECH.ReleaseArgs(glob=self._global_factors(), denominator=self.denominator)
-        if self.method == "fedsvd":  # refactorizes B_avg A_g: needs the round's public global A
+        if self.needs_global:  # e.g. FedSVD refactorizes B_avg A_g: needs the round's public global A
             return MECH.ReleaseArgs(glob=self._global_factors())
         if self.privacy.noise_at == "server":
             # Sample level, server noise: the k-dependent releases (FedLoRA, FFA-LoRA, input
@@ -181,6 +189,11 @@ class RoundEngine:
             # most one clipped update and never the noise. The others normalise and ignore it.
             return MECH.ReleaseArgs(denominator=self.denominator or getattr(self.privacy, "fixed_denominator", None))
         return MECH.ReleaseArgs()
+
+    @property
+    def needs_global(self) -> bool:
+        spec = MECH.METHODS.get(self.method)
+        return bool(spec and spec.needs_global)
 
     def summary(self) -> None:
         log.info("%s: %d LoRA modules in %d shape group(s), rank %d, client rate %.3g, privacy %s",
@@ -287,7 +300,6 @@ class FFALoRAEngine(RoundEngine):
     """FFA-LoRA (paper App. Alg. 7): A frozen at its seeded init; clip, average and noise B only."""
 
     method = "ffa-lora"
-    replies_a = False
 
 
 class FedSVDEngine(RoundEngine):
@@ -296,33 +308,32 @@ class FedSVDEngine(RoundEngine):
     Under DP-SGD on the silos that step is post-processing; no server-side noise is defined."""
 
     method = "fedsvd"
-    replies_a = False
-
-    def __init__(self, **kw) -> None:
-        super().__init__(**kw)
-        if self.privacy.noise_at == "server" or self.client_level:
-            raise ValueError("FedSVD is defined with DP-SGD on the silos (dp.noise-at = silo) or without DP")
 
 
+#: Engines with a constructor of their own; any other method of the table runs on RoundEngine.
 ENGINES = {"fedpower": FedPowerEngine, "fedlora": FedLoRAEngine, "ffa-lora": FFALoRAEngine, "fedsvd": FedSVDEngine}
 _PERTURBATION = {"input-perturbation": "input", "output-perturbation": "output"}
 
 
 def engine_kwargs(name: str, kw: dict) -> tuple[str, dict]:
-    """The engine family of strategy ``name`` and its constructor arguments (``refactor_every``
-    applies to FedPower only; the ablations are FedPower with another perturbation)."""
+    """The engine of strategy ``name`` and its constructor arguments (``refactor_every``
+    applies to FedPower only; the ablations are FedPower with another perturbation; a method
+    without an engine of its own gets ``method=name``)."""
     if name not in METHOD_FAMILY:
         raise ValueError(f"unknown strategy {name!r}")
     kw = dict(kw)
     refactor_every = kw.pop("refactor_every", 1)
+    family = METHOD_FAMILY[name]
     if name == "fedpower":
         kw["refactor_every"] = refactor_every
     elif name in _PERTURBATION:
         kw["perturbation"] = _PERTURBATION[name]
-    return METHOD_FAMILY[name], kw
+    elif family not in ENGINES:
+        kw["method"] = name
+    return family, kw
 
 
 def build_engine(name: str, **kw) -> RoundEngine:
     """The Flower-free engine of a ``strategy.name`` value (the strategies' twin)."""
     family, kw = engine_kwargs(name, kw)
-    return ENGINES[family](**kw)
+    return ENGINES.get(family, RoundEngine)(**kw)

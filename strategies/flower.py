@@ -271,6 +271,6 @@ STRATEGY_CLASSES = {"fedpower": FedPowerStrategy, "input-perturbation": FedPower
 
 
 def build_strategy(name: str, **kw) -> LoRAStrategy:
-    """Strategy for a ``strategy.name`` value."""
+    """Strategy for a ``strategy.name`` value (any method of ``strategies.mechanisms.METHODS``)."""
     _family, kw = engine_kwargs(name, kw)
-    return STRATEGY_CLASSES[name](**kw)
+    return STRATEGY_CLASSES.get(name, LoRAStrategy)(**kw)

@@ -7,7 +7,8 @@ of each block, whether that sensitivity depends on the number k of aggregated si
 release function (the math in ``releases.py`` / ``client_delta.py``). The accountant
 (``fedpower_app.privacy.accounting.plan``) reads sensitivities and k-dependence from here, the strategy
 (``strategies/flower.py``) calls ``release`` from here, and :func:`round_type` is the one round
-schedule both use. Adding a mechanism is one entry in :data:`MECHANISMS` (and its math).
+schedule both use. Adding a mechanism is one entry in :data:`MECHANISMS` (and its math); adding a method, one
+entry in :data:`METHODS`.
 
 DP-SGD on the silos is the mechanism ``"dp-sgd"``: the noise is added in every silo's local steps
 (``fedpower_app.training.dp_sgd``); the server's average, merge and refactorization of the noised replies
@@ -178,10 +179,38 @@ MECHANISMS: dict[str, Mechanism] = {m.name: m for m in (
 WHOLE_ADAPTER_MECHANISMS = ("powerdp", "fedlora", "ffa", "input", "output")
 DELTA_MECHANISMS = ("powerdp-l", "fedlora-delta", "ffa-delta", "input-delta", "powerdp-delta", "output-delta")
 
+# -- the methods (strategy.name) ------------------------------------------------------------------
+@dataclass(frozen=True)
+class Method:
+    """A server strategy: what its rounds release and what its silos train. One entry in
+    :data:`METHODS` (and its release math) is all a new method needs: the config's choices
+    (``fedpower_app.choices.STRATEGIES``), the round engine and the Flower strategy read it here."""
+
+    name: str
+    release: str                 # the release of a round that does not refactorize (a MECHANISMS key)
+    trains: str = "AB"           # what a silo trains and sends back: "AB", or "B" against the global A
+    family: str = ""             # the engine it runs on (FedPower's ablations are FedPower); default: itself
+    silo_noise_only: bool = False  # defined only with DP-SGD on the silos, or without DP (no server noise)
+    needs_global: bool = False   # the release reads the round's public global factors
+    accounted: bool = True       # the server-side accountant can plan it (server noise / client level)
+
+    @property
+    def engine(self) -> str:
+        return self.family or self.name
+
+
+METHODS: dict[str, Method] = {m.name: m for m in (
+    Method("fedpower", "fedlora", family="fedpower"),  # refactorizes with PowerDP every F-th round
+    Method("fedlora", "fedlora"),
+    Method("ffa-lora", "ffa", trains="B"),
+    Method("fedsvd", "fedsvd", trains="B", silo_noise_only=True, needs_global=True, accounted=False),
+    Method("input-perturbation", "input", family="fedpower"),
+    Method("output-perturbation", "output", family="fedpower"),
+)}
+
 # -- the round schedule --------------------------------------------------------------------------
 #: Each method's release when it does not refactorize (FedPower refactorizes every F-th round).
-METHOD_RELEASE = {"fedlora": "fedlora", "ffa-lora": "ffa", "fedsvd": "fedsvd", "input-perturbation": "input",
-                  "output-perturbation": "output"}
+METHOD_RELEASE = {name: m.release for name, m in METHODS.items() if name != "fedpower"}
 #: Client level: the delta release of each whole-adapter release.
 CLIENT_RELEASE = {"fedlora": "fedlora-delta", "ffa": "ffa-delta", "input": "input-delta", "output": "output-delta"}
 #: Client level: FedPower's refactorization (strategy.client-refactorization) -> its delta release.
