@@ -112,12 +112,8 @@ class SiloRefusal(RuntimeError):
     drops and counts. The message says why."""
 
 
-def silo_admits(ledger: SiloLedger, params, num_examples: int, *, max_epsilon: float) -> float:
-    """The silo's own check of a DP-SGD round before it touches its data; returns q = b / n.
-
-    ``params`` are the DP parameters the server sent (``DPSGDParams``, or None when it sent none).
-    Raises ``SiloRefusal`` if they are missing or unusable, or if training would take this silo's
-    own ledger past ``max_epsilon``. The silo trusts only its own ledger and its own n."""
+def _checked_rate(params, num_examples: int) -> float:
+    """The DP parameters a silo was sent, checked (missing, invalid or noiseless: refused); q = b / n."""
     if params is None:
         raise SiloRefusal("refused: the train message carries no DP-SGD parameters, and this silo "
                           "trains only with DP-SGD")
@@ -126,7 +122,16 @@ def silo_admits(ledger: SiloLedger, params, num_examples: int, *, max_epsilon: f
         raise SiloRefusal("refused: invalid DP-SGD parameters: " + "; ".join(problems))
     if params.noise_multiplier <= 0:
         raise SiloRefusal("refused: noise multiplier 0 gives no privacy")
-    q = params.sample_rate(num_examples)
+    return params.sample_rate(num_examples)
+
+
+def silo_admits(ledger: SiloLedger, params, num_examples: int, *, max_epsilon: float) -> float:
+    """The silo's own check of a DP-SGD round before it touches its data; returns q = b / n.
+
+    ``params`` are the DP parameters the server sent (``DPSGDParams``, or None when it sent none).
+    Raises ``SiloRefusal`` if they are missing or unusable, or if training would take this silo's
+    own ledger past ``max_epsilon``. The silo trusts only its own ledger and its own n."""
+    q = _checked_rate(params, num_examples)
     after = ledger.epsilon_if(q, params.noise_multiplier, params.local_steps)
     if after > max_epsilon * (1 + 1e-9):
         raise SiloRefusal(f"refused: this round would take the silo to epsilon {after:.3f} > its budget "
@@ -156,15 +161,7 @@ def silo_gate(ledger: SiloLedger, paid: list, key: str | None, params, num_examp
     carries exactly the DP parameters it was paid with (``paid`` holds ``{"key", "params"}``
     entries). A replay with other parameters is refused: it would be a new release at no charge.
     Anything else must fit in the silo's own budget."""
-    if params is None:
-        raise SiloRefusal("refused: the train message carries no DP-SGD parameters, and this silo "
-                          "trains only with DP-SGD")
-    problems = params.problems()
-    if problems:
-        raise SiloRefusal("refused: invalid DP-SGD parameters: " + "; ".join(problems))
-    if params.noise_multiplier <= 0:
-        raise SiloRefusal("refused: noise multiplier 0 gives no privacy")
-    q = params.sample_rate(num_examples)
+    q = _checked_rate(params, num_examples)
     if key is not None:
         for entry in paid:
             if isinstance(entry, dict) and entry.get("key") == key:
