@@ -264,9 +264,6 @@ class RoundEngine:
         report.epsilon = self.privacy.epsilon()
         self.reports.append(report)
 
-    # kept for callers of the earlier name
-    _finish_round = finish_round
-
 
 class FedPowerEngine(RoundEngine):
     """FedPower: merge B_i A_i, clip the whole update, average, refactorize with PowerDP.
