@@ -213,16 +213,12 @@ class _Watchdog:
 
 
 def _stop_run(run_id: str, flwr_home: Path, port: int) -> None:
-    """Best effort ``flwr stop <run-id>`` (``flwr run`` returning does not stop a run on the SuperLink)."""
-    import subprocess
+    """Best effort ``flwr stop <run-id>`` (``flwr run`` returning does not stop a run on the
+    SuperLink): the launcher's, on this grid's Flower home and port."""
+    from ..launcher import flwr_env
+    from ..launcher.flwr_run import _stop_run as stop_on
 
-    from ..launcher import _flwr, flwr_env
-
-    try:
-        subprocess.run([_flwr(), "stop", str(run_id)], env=flwr_env(flwr_home, port), capture_output=True,
-                       text=True, timeout=120, check=False)
-    except (OSError, subprocess.SubprocessError, RuntimeError):
-        pass
+    stop_on(run_id, flwr_env(flwr_home, port))
 
 
 def _last_error_line(output: str) -> str:
