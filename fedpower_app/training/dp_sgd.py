@@ -142,13 +142,15 @@ def dp_sgd_train_local(model, data: TokenizedSplit, *, params: DPSGDParams, lr: 
                        sampling_generator: torch.Generator, noise_generator: torch.Generator | None,
                        device: torch.device, secure_noise: bool = False,
                        dropout_seed: int | None = None, optimizer: str = "adam",
-                       physical_batch_size: int = PHYSICAL_BATCH_SIZE, optimizer_carry: dict | None = None) -> TrainStats:
+                       physical_batch_size: int = PHYSICAL_BATCH_SIZE, optimizer_carry: dict | None = None,
+                       canaries=None) -> TrainStats:
     """One silo's round of DP-SGD on ``model`` (a PEFT model whose trainable set is settled).
 
     ``noise_generator`` feeds Opacus' Gaussian noise (seeded runs repeat); ``secure_noise`` uses
     Opacus' secure mode (sum of draws), for the hardened noise source. ``optimizer_carry``: the
     silo's optimizer state from its previous round, loaded before and saved after (post-processing
-    of the silo's own noisy steps: it costs no privacy)."""
+    of the silo's own noisy steps: it costs no privacy). ``canaries``: the white-box audit's
+    gradient canaries (``audit.white_box.GradientCanaries``), never set in a federated run."""
     from opacus.optimizers import DPOptimizer
 
     problems = params.problems()
@@ -169,6 +171,8 @@ def dp_sgd_train_local(model, data: TokenizedSplit, *, params: DPSGDParams, lr: 
                                                         group_clips=[params.clip, params.head_clip], **common)
     else:
         dp_optimizer = DPOptimizer(base, max_grad_norm=params.clip, **common)
+    if canaries is not None:
+        canaries.attach(dp_optimizer, trainable, params.clip)
     gsm.enable_hooks()
     gsm.train()
     total, count, seen, empty = 0.0, 0, 0, 0

@@ -1,0 +1,236 @@
+"""White-box audit of DP-SGD on a silo with gradient canaries (Steinke, Nasr & Jagielski 2023).
+
+The audit runs the product's own DP-SGD round (``training.dp_sgd.dp_sgd_train_local``: Poisson
+sampling, chunking, per-example clipping, Opacus' noise) with m *Dirac canaries*: canary j is a
+per-example gradient with a single non-zero coordinate (its own coordinate of the adapters), of
+norm ``scale`` times the clip norm, so that the product's clipping must cut it to C. Each canary is
+in the silo's data with probability 1/2 (coins from the audit's own generator, apart from the run's
+noise source) and, when in, is Poisson-sampled at every step at the silo's rate q = b/n, like any
+example.
+
+Threat model: the adversary sees every step's noisy clipped sum (white box, every step; the
+DP-SGD guarantee covers these, the released adapters are post-processing of them). Canary j's
+score is the sum over steps of that noisy sum's coordinate j, divided by C: an included canary adds
+about q·L·T, the noise N(0, σ²(Δ/C)²·L·T). Scores go to Steinke's one-run bound
+(``bounds.canary_audit``): the top and bottom ``guess_fraction`` are guessed IN and OUT.
+
+Positive controls break the step on purpose while the claim stays the calibrated ε:
+``no-noise`` (no noise added), ``tenth-noise`` (a tenth of the calibrated std) and ``no-clip``
+(canaries reach the sum unclipped). Each must give ε̂ above the claim, at a number of canaries
+whose ceiling allows it. The canaries never reach a released model: the audit trains its own copy
+of the model, outside any federated run.
+
+    python -m fedpower_app.audit.white_box --model /path/to/local/bert --epsilon 2 --canaries 4000
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+
+CONTROLS = ("none", "no-noise", "tenth-noise", "no-clip")
+
+
+class GradientCanaries:
+    """Dirac canaries injected into the product's DP-SGD step and scored on every noisy sum.
+
+    ``coords``: for canary j, (index of its trainable tensor, flat index in it); ``included``: the
+    coins; ``sample_rate``: q; ``scale``: the canary's pre-clip norm in units of the clip."""
+
+    def __init__(self, coords: list[tuple[int, int]], included: np.ndarray, *, sample_rate: float,
+                 scale: float = 10.0, control: str = "none", generator: np.random.Generator | None = None) -> None:
+        if control not in CONTROLS:
+            raise ValueError(f"control must be one of {CONTROLS}, got {control!r}")
+        self.coords = list(coords)
+        self.included = np.asarray(included, dtype=bool)
+        self.q = float(sample_rate)
+        self.scale = float(scale)
+        self.control = control
+        self.rng = generator or np.random.default_rng()
+        self.scores = np.zeros(len(self.coords))
+        self.steps = 0
+        tensor = np.array([t for t, _ in self.coords], dtype=np.int64)
+        flat = np.array([i for _, i in self.coords], dtype=np.int64)
+        # per trainable tensor: which canaries sit in it, and where (vectorised injection and scoring)
+        self._by_tensor = {int(t): (np.flatnonzero(tensor == t), torch.as_tensor(flat[tensor == t]))
+                           for t in np.unique(tensor)}
+        self._flat = flat
+        self._tensor = tensor
+        self._sampled: np.ndarray | None = None  # the canaries in the current logical step
+
+    def attach(self, dp_optimizer, params: list[torch.Tensor], clip: float) -> None:
+        """Wrap the optimizer's clip-and-accumulate (inject) and add-noise (observe) steps."""
+        self.params, self.clip = params, float(clip)
+        clip_and_accumulate, add_noise = dp_optimizer.clip_and_accumulate, dp_optimizer.add_noise
+
+        def clip_with_canaries():
+            if self._sampled is None:  # the logical step's first chunk: draw which canaries take part
+                self._sampled = np.flatnonzero(self.included & (self.rng.random(len(self.coords)) < self.q))
+            rows = self._rows() if self.control != "no-clip" else None
+            if rows is not None:  # canary rows go through the product's clipping with the real examples
+                for p, extra in zip(self.params, rows):
+                    p.grad_sample = torch.cat([p.grad_sample, extra.to(p.grad_sample.dtype)], dim=0)
+                self._sampled = self._sampled[:0]  # injected once per logical step
+            clip_and_accumulate()
+            if self.control == "no-clip" and len(self._sampled):  # the broken step: canaries unclipped
+                for j in self._sampled:
+                    t, i = self.coords[j]
+                    self.params[t].summed_grad.view(-1)[i] += self.scale * self.clip
+                self._sampled = self._sampled[:0]
+
+        def noise_then_observe():
+            if self.control == "no-noise":
+                for p in dp_optimizer.params:
+                    p.grad = p.summed_grad.view_as(p).clone()
+                    p.summed_grad._processed = True
+            elif self.control == "tenth-noise":
+                sigma = dp_optimizer.noise_multiplier
+                dp_optimizer.noise_multiplier = sigma / 10
+                try:
+                    add_noise()
+                finally:
+                    dp_optimizer.noise_multiplier = sigma
+            else:
+                add_noise()
+            for t, (which, where) in self._by_tensor.items():
+                values = self.params[t].grad.detach().reshape(-1)[where].double().cpu().numpy()
+                self.scores[which] += values / self.clip
+            self.steps += 1
+            self._sampled = None
+
+        dp_optimizer.clip_and_accumulate = clip_with_canaries
+        dp_optimizer.add_noise = noise_then_observe
+
+    def _rows(self) -> list[torch.Tensor] | None:
+        if self._sampled is None or not len(self._sampled):
+            return None
+        k = len(self._sampled)
+        rows = [torch.zeros((k, p.numel()), dtype=torch.float32) for p in self.params]
+        tensor, flat = self._tensor[self._sampled], self._flat[self._sampled]
+        for t in np.unique(tensor):
+            r = np.flatnonzero(tensor == t)
+            rows[int(t)][torch.as_tensor(r), torch.as_tensor(flat[r])] = self.scale * self.clip
+        return [row.view(k, *p.shape) for row, p in zip(rows, self.params)]
+
+
+def dirac_coordinates(params: list[torch.Tensor], m: int, rng: np.random.Generator) -> list[tuple[int, int]]:
+    """m distinct coordinates of the trainable tensors, drawn uniformly (one per canary)."""
+    sizes = np.array([p.numel() for p in params])
+    if m > sizes.sum():
+        raise ValueError(f"{m} Dirac canaries need {m} coordinates; the trainable set has {int(sizes.sum())}")
+    flat = np.sort(rng.choice(int(sizes.sum()), size=m, replace=False))
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    tensor = np.searchsorted(starts, flat, side="right") - 1
+    return [(int(t), int(f - starts[t])) for t, f in zip(tensor, flat)]
+
+
+@dataclass
+class WhiteBoxReport:
+    control: str
+    canaries: int
+    claimed_epsilon: float
+    delta: float
+    noise_multiplier: float
+    sample_rate: float
+    steps: int
+    epsilon_lower_bound: float
+    ceiling: float
+    correct: int
+    guesses: int
+    passed: bool  # epsilon_lower_bound <= claimed_epsilon
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def line(self) -> str:
+        verdict = "PASS" if self.passed else "FAIL: the audit refutes the claim"
+        return (f"white-box DP-SGD audit, control {self.control}: eps_hat {self.epsilon_lower_bound:.3f} "
+                f"(ceiling {self.ceiling:.3f} at {self.canaries} canaries, {self.correct}/{self.guesses} guesses right) "
+                f"vs claimed eps {self.claimed_epsilon:g} (delta {self.delta:g}; sigma {self.noise_multiplier:.3f}, "
+                f"q {self.sample_rate:.3f}, {self.steps} steps): {verdict}")
+
+
+def run_white_box_audit(model, data, *, epsilon: float, delta: float, clip: float, batch_size: int,
+                        local_steps: int, rounds: int, canaries: int, control: str = "none", seed: int = 0,
+                        guess_fraction: float = 0.1, scale: float = 10.0, accountant: str = "rdp",
+                        device: torch.device | None = None) -> WhiteBoxReport:
+    """Calibrate σ for (ε, δ) over ``rounds`` rounds of ``local_steps`` DP-SGD steps at q = b/n, run
+    them on ``model`` (its trainable set settled) with ``canaries`` Dirac canaries, and bound ε."""
+    from ..privacy.accounting.silo import calibrate_noise_multiplier
+    from ..training.dp_sgd import DPSGDParams, dp_sgd_train_local
+    from .bounds import canary_audit
+
+    device = device or torch.device("cpu")
+    n = len(data)
+    q = min(1.0, batch_size / n)
+    sigma = calibrate_noise_multiplier(q, local_steps * rounds, epsilon, delta, accountant)
+    rng = np.random.default_rng([seed, 34034])  # the audit's own randomness (coins, canary sampling)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    coords = dirac_coordinates(trainable, canaries, rng)
+    audit = GradientCanaries(coords, rng.random(canaries) < 0.5, sample_rate=q, scale=scale, control=control,
+                             generator=rng)
+    params = DPSGDParams(sigma, clip, batch_size, local_steps)
+    sampling = torch.Generator().manual_seed(seed)
+    noise = torch.Generator().manual_seed(seed + 1)
+    for _ in range(rounds):
+        dp_sgd_train_local(model, data, params=params, lr=1e-3, sampling_generator=sampling, noise_generator=noise,
+                           device=device, canaries=audit)
+    result = canary_audit(audit.scores, audit.included, delta=delta, guess_fraction=guess_fraction,
+                          claimed_epsilon=epsilon)
+    eps_hat = float(result.epsilon_lower_bound)
+    return WhiteBoxReport(control=control, canaries=canaries, claimed_epsilon=epsilon, delta=delta,
+                          noise_multiplier=sigma, sample_rate=q, steps=audit.steps, epsilon_lower_bound=eps_hat,
+                          ceiling=float(result.ceiling), correct=int(result.correct),
+                          guesses=int(result.guesses_in + result.guesses_out),
+                          passed=not (eps_hat > epsilon * (1 + 1e-9)) and math.isfinite(eps_hat))
+
+
+def main(argv=None) -> int:
+    """Run the white-box audit on a configuration's model and first silo; exit 1 if it refutes the claim."""
+    import argparse
+    import json
+    import sys
+
+    ap = argparse.ArgumentParser(prog="python -m fedpower_app.audit.white_box", description=__doc__.split("\n")[0])
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="run-config keys (model, task, LoRA, b, L, T, clip, epsilon, delta, accountant)")
+    ap.add_argument("--canaries", type=int, default=4000)
+    ap.add_argument("--guess-fraction", type=float, default=0.1)
+    ap.add_argument("--control", choices=CONTROLS + ("all",), default="all",
+                    help="a broken step to catch (positive control), none, or all of them in turn")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args(argv)
+
+    from .. import data as D
+    from .. import model as M
+    from ..config import parse_config
+    from ..launcher import parse_set
+
+    torch.set_num_threads(a.threads)
+    cfg = parse_config(parse_set(a.set))
+    tok = M.load_tokenizer(cfg["model.name"])
+    task = D.load_task(cfg)
+    failed = False
+    for control in (CONTROLS if a.control == "all" else (a.control,)):
+        model = M.build_model(cfg, task.num_labels)
+        M.set_trainable(model, train_a=True, train_b=True)
+        shard = D.client_shard(cfg, tok, 0, 1)
+        report = run_white_box_audit(
+            model, shard, epsilon=cfg["dp.epsilon"], delta=cfg["dp.delta"], clip=cfg["dp.clip"],
+            batch_size=cfg["train.batch-size"], local_steps=cfg["train.local-steps"],
+            rounds=cfg["num-server-rounds"], canaries=a.canaries, control=control, seed=cfg["seed"],
+            guess_fraction=a.guess_fraction, accountant=cfg["dp.accountant"])
+        print(json.dumps(report.as_dict()) if a.json else report.line(), flush=True)
+        # the correct step must pass; a broken one is expected to fail (its audit is the check)
+        failed |= (control == "none") != report.passed
+    if failed:
+        print("white-box audit: a correct step was refuted, or a broken one was not caught", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())
