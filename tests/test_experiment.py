@@ -941,6 +941,7 @@ def test_compact_cells_keep_the_tables_and_drop_the_bulk(tmp_path, capsys):
     src = PROJECT_ROOT / "results" / "cross-device-sst2"
     out = tmp_path / "grid"
     shutil.copytree(src, out)
+    X.unpack_cells(out)  # the committed cells are packed into cells.json: one file per cell again
     for path in (out / "cells").glob("*/results.json"):  # the committed cells are compact: inflate them
         data = json.loads(path.read_text())
         data.pop(X.COMPACT_MARK, None)
@@ -974,6 +975,7 @@ def test_compact_cells_fold_the_cell_record_into_one_minified_file(tmp_path, cap
 
     out = tmp_path / "grid"
     shutil.copytree(PROJECT_ROOT / "results" / "cross-device-sst2", out)
+    X.unpack_cells(out)
     spec = X.GridSpec.from_dict(json.loads((out / "manifest.json").read_text())["grid"])
     cells = [c for c in X.validate(spec, out) if X.is_finished(out, c)]
     cell = cells[0]
@@ -1013,3 +1015,32 @@ def test_figures_are_saved_with_a_palette(tmp_path):
         assert im.mode == "P" and im.size == ref.size
     assert (tmp_path / "palette.png").stat().st_size < (tmp_path / "rgba.png").stat().st_size
     assert compact_png(tmp_path / "rgba.png") > 0 and compact_png(tmp_path / "rgba.png") == 0
+
+
+def test_a_packed_grid_reports_the_same_and_a_cells_own_file_wins(tmp_path, capsys):
+    """Issue #33: the committed form packs a grid's finished cells into one cells.json; status,
+    tables and --report-only read it as they read the cells' own files."""
+    import shutil
+
+    out = tmp_path / "grid"
+    shutil.copytree(PROJECT_ROOT / "results" / "cross-device-sst2", out)
+    X.unpack_cells(out)
+    spec = X.GridSpec.from_dict(json.loads((out / "manifest.json").read_text())["grid"])
+    cells = X.validate(spec, out)
+    status = {c.cell_id: X.cell_status(out, c) for c in cells}
+    assert X.main(["--out", str(out), "--report-only"]) == 0
+    before = {p.name: p.read_text() for p in out.glob("table*.md")}
+    assert X.main(["--out", str(out), "--report-only", "--compact", "--pack"]) == 0
+    assert "packed" in capsys.readouterr().out
+    left = {p.parent.name for p in (out / "cells").glob("*/results.json")}
+    assert (out / X.PACK_FILE).exists() and len(X.packed_cells(out)) >= 10
+    assert all(status.get(cell_id) not in X.FINISHED for cell_id in left)  # only unfinished cells keep a file
+    assert {c.cell_id: X.cell_status(out, c) for c in cells} == status
+    assert X.main(["--out", str(out), "--report-only"]) == 0
+    assert {p.name: p.read_text() for p in out.glob("table*.md")} == before
+    done = next(c for c in cells if status[c.cell_id] == "completed")
+    own = X.packed_cells(out)[done.cell_id] | {"status": "failed"}
+    X.results_path(out, done).parent.mkdir(parents=True, exist_ok=True)
+    X.results_path(out, done).write_text(json.dumps(own))
+    assert X.cell_status(out, done) == "failed"  # the cell's own file wins over the pack
+    assert X.main(["--out", str(out), "--report-only", "--pack"]) == 2

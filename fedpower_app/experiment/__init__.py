@@ -44,6 +44,11 @@ from .spec import (  # noqa: F401
     validate,
 )
 from .store import (  # noqa: F401
+    PACK_FILE,
+    has_cells,
+    pack_cells,
+    packed_cells,
+    unpack_cells,
     COMPACT_MARK,
     compact_cells,
     compact_results,

@@ -74,7 +74,7 @@ from typing import Any, Sequence
 from ..config import TASKS, ConfigError
 
 from .spec import BACKENDS, GridError, GridSpec, TABLE_EPSILONS, TABLE_METHODS, _resolve_path, canonical_method, parse_epsilon, validate
-from .store import compact_cells, _fmt_seconds, grid_status, read_results
+from .store import PACK_FILE, compact_cells, _fmt_seconds, grid_status, has_cells, pack_cells, read_results
 from .runner import run_grid
 from .report import write_report
 
@@ -204,6 +204,9 @@ def make_parser() -> argparse.ArgumentParser:
     r.add_argument("--threads", type=int, metavar="N", help="torch threads of an inprocess cell (default: torch's)")
     r.add_argument("--dry-run", action="store_true", help="list the cells, where each stands and the cell time left; run nothing")
     r.add_argument("--report-only", action="store_true", help="only (re)write tables and figures from finished cells")
+    r.add_argument("--pack", action="store_true",
+                   help="with --compact: also pack the finished cells into one cells.json (the committed form; "
+                        "a cell's own results.json, when there is one, wins over its packed copy)")
     r.add_argument("--compact", action="store_true",
                    help="with --report-only: also rewrite every finished cell's results.json in the compact form "
                         "committed to results/ (no ledger history, no per-client size list); tables unchanged")
@@ -264,14 +267,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         except GridError as exc:
             print(f"fedpower-experiment: error: {exc}", file=sys.stderr)
             return 2
-    if args.report_only and not (out / "cells").is_dir():
+    if args.report_only and not has_cells(out):
         print(f"fedpower-experiment: error: --report-only: no cells in {out} (run the grid first)", file=sys.stderr)
+        return 2
+    if args.pack and not args.compact:
+        print("fedpower-experiment: error: --pack goes with --report-only --compact", file=sys.stderr)
         return 2
     if args.compact:
         if not args.report_only:
             print("fedpower-experiment: error: --compact goes with --report-only", file=sys.stderr)
             return 2
         print(f"fedpower-experiment: compacted {compact_cells(out, cells)} cell result(s) in {out}")
+        if args.pack:
+            print(f"fedpower-experiment: packed {pack_cells(out, cells)} cell result(s) into {out / PACK_FILE}")
     written = write_report(spec, out)
     print(f"fedpower-experiment: wrote {', '.join(t + '.md/.csv' for t in written['tables'])} and "
           f"{len(written['figures'])} figure(s) in {out}")

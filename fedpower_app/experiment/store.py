@@ -23,11 +23,69 @@ def results_path(out: Path, cell: Cell) -> Path:
     return out / "cells" / cell.cell_id / "results.json"
 
 
+#: A grid's finished cells packed into one file (``--report-only --compact --pack``): the committed
+#: form. A cell's own ``cells/<id>/results.json``, when there is one, wins over its packed copy.
+PACK_FILE = "cells.json"
+
+
 def read_results(path: Path) -> dict[str, Any] | None:
     try:
         return json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
-        return None
+        pass
+    path = Path(path)
+    if path.name == "results.json" and path.parent.parent.name == "cells":
+        return packed_cells(path.parent.parent.parent).get(path.parent.name)
+    return None
+
+
+def packed_cells(out: Path) -> dict[str, dict[str, Any]]:
+    """The cells packed in ``<out>/cells.json`` (cell id -> compact results.json), or {}."""
+    pack = Path(out) / PACK_FILE
+    try:
+        data = json.loads(pack.read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+    cells = data.get("cells") if isinstance(data, dict) else None
+    return cells if isinstance(cells, dict) else {}
+
+
+def has_cells(out: Path) -> bool:
+    return (Path(out) / "cells").is_dir() or bool(packed_cells(out))
+
+
+def pack_cells(out: Path, cells: Sequence[Cell]) -> int:
+    """Pack every finished, compact cell into ``<out>/cells.json`` and remove its own results.json
+    (the rest of the cell's directory, logs and adapters, stays); the number packed."""
+    packed = packed_cells(out)
+    moved = []
+    for cell in cells:
+        path = results_path(out, cell)
+        if not path.exists():
+            continue
+        data = read_results(path)
+        if data and data.get("status") in FINISHED and COMPACT_MARK in data:
+            packed[cell.cell_id] = data
+            moved.append(path)
+    if moved:
+        write_json_atomic(Path(out) / PACK_FILE, {"format": "fedpower-cells/1", "cells": packed}, indent=None)
+        for path in moved:
+            path.unlink()
+            try:
+                path.parent.rmdir()  # only if nothing else is left in it
+            except OSError:
+                pass
+    return len(moved)
+
+
+def unpack_cells(out: Path) -> int:
+    """The inverse of :func:`pack_cells`: every packed cell back into its own results.json."""
+    packed = packed_cells(out)
+    for cell_id, data in packed.items():
+        write_json_atomic(Path(out) / "cells" / cell_id / "results.json", data, indent=None)
+    if packed:
+        (Path(out) / PACK_FILE).unlink()
+    return len(packed)
 
 
 def cell_record(cell_dir: Path) -> dict[str, Any] | None:
