@@ -15,6 +15,8 @@ seeds) into
   fig_*.png        accuracy vs rounds and vs transferred bits (real message bytes), per task and epsilon
   manifest.json    the grid, every cell's status and exact overrides, the invocations (commands, times)
   cells/<id>/      results.json (resolved config, calibration, per-round data), cell.json, flwr.log
+  cells.json       the committed form (--report-only --compact --pack): every finished cell's compact
+                   results.json in one file; a cell's own results.json, when there is one, wins
 
 Examples:
 
