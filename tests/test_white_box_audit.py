@@ -49,3 +49,21 @@ def test_dirac_coordinates_are_distinct_and_in_range():
     assert len(set(coords)) == 17 and all(0 <= i < params[t].numel() for t, i in coords)
     with pytest.raises(ValueError, match="need 18 coordinates"):
         WB.dirac_coordinates(params, 18, np.random.default_rng(0))
+
+
+@pytest.mark.parametrize("mu", [0.5, 1.0, 2.0, 4.0])
+def test_the_gaussian_dp_bound_is_sound_on_gaussians_of_known_mu(mu):
+    """Scores of included canaries ~ N(mu, 1), excluded ~ N(0, 1): a mu-GDP test. mu_hat must never
+    exceed mu, and must see a real signal (> 0) from mu = 1 at 20,000 canaries."""
+    from fedpower_app.audit.bounds import steinke_gdp_lower_bound
+
+    for seed in range(2):
+        rng = np.random.default_rng(seed)
+        m = 20000
+        inc = rng.random(m) < 0.5
+        order = np.argsort(rng.normal(size=m) + mu * inc)
+        k = m // 10
+        correct = int(inc[order[m - k:]].sum() + (~inc[order[:k]]).sum())
+        mu_hat = steinke_gdp_lower_bound(2 * k, correct, m)
+        assert mu_hat <= mu
+        assert mu < 1 or mu_hat > 0.25 * mu

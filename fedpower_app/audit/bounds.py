@@ -394,6 +394,39 @@ def steinke_ceiling(m: int, delta: float, beta: float = 0.05, guesses: int | Non
     return steinke_epsilon_lower_bound(r, r, m, delta, beta)
 
 
+#: The epsilons at which :func:`steinke_gdp_lower_bound` tests a mu (fixed in advance; Bonferroni).
+GDP_EPS_GRID = tuple(float(e) for e in np.linspace(0.25, 12.0, 48))
+
+
+def steinke_gdp_lower_bound(r: int, v: int, m: int, beta: float = 0.05, eps_grid=GDP_EPS_GRID,
+                            mu_max: float = 20.0) -> float:
+    """A Gaussian-DP lower bound mu_hat at confidence 1 - ``beta`` from the same guesses as
+    :func:`steinke_epsilon_lower_bound`: the largest mu that the observation rejects.
+
+    Why it is valid: a mu-GDP mechanism is (eps, delta_mu(eps))-DP for every eps at once
+    (:func:`gaussian_delta`), so Steinke's theorem holds at each eps of the grid with
+    delta = delta_mu(eps); mu is rejected when the smallest of those p-values, times the grid's
+    size (Bonferroni), is below ``beta``. The p-values grow with mu, so mu_hat is found by
+    bisection. Looser than a dedicated f-DP analysis (Mahloujifar et al. 2025), never invalid."""
+    if not 0 < beta < 1:
+        raise ValueError(f"beta must be in (0, 1), got {beta}")
+    grid = tuple(float(e) for e in eps_grid)
+
+    def rejected(mu: float) -> bool:
+        p = min(steinke_p_value(e, r, v, m, gaussian_delta(mu, e)) for e in grid)
+        return p * len(grid) < beta
+
+    if r == 0 or not rejected(1e-6):
+        return 0.0
+    lo, hi = 0.0, float(mu_max)
+    if rejected(hi):
+        return hi
+    for _ in range(40):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if rejected(mid) else (lo, mid)
+    return lo
+
+
 @dataclass
 class CanaryAudit:
     """Outcome of a one-run canary audit (guess counts fixed in advance)."""

@@ -137,6 +137,7 @@ class WhiteBoxReport:
     sample_rate: float
     steps: int
     epsilon_lower_bound: float
+    mu_lower_bound: float  # Gaussian-DP form at the same confidence (bounds.steinke_gdp_lower_bound)
     ceiling: float
     correct: int
     guesses: int
@@ -148,6 +149,7 @@ class WhiteBoxReport:
     def line(self) -> str:
         verdict = "PASS" if self.passed else "FAIL: the audit refutes the claim"
         return (f"white-box DP-SGD audit, control {self.control}: eps_hat {self.epsilon_lower_bound:.3f} "
+                f"(mu_hat {self.mu_lower_bound:.3f}) "
                 f"(ceiling {self.ceiling:.3f} at {self.canaries} canaries, {self.correct}/{self.guesses} guesses right) "
                 f"vs claimed eps {self.claimed_epsilon:g} (delta {self.delta:g}; sigma {self.noise_multiplier:.3f}, "
                 f"q {self.sample_rate:.3f}, {self.steps} steps): {verdict}")
@@ -161,7 +163,7 @@ def run_white_box_audit(model, data, *, epsilon: float, delta: float, clip: floa
     them on ``model`` (its trainable set settled) with ``canaries`` Dirac canaries, and bound ε."""
     from ..privacy.accounting.silo import calibrate_noise_multiplier
     from ..training.dp_sgd import DPSGDParams, dp_sgd_train_local
-    from .bounds import canary_audit
+    from .bounds import canary_audit, steinke_gdp_lower_bound
 
     device = device or torch.device("cpu")
     n = len(data)
@@ -183,6 +185,8 @@ def run_white_box_audit(model, data, *, epsilon: float, delta: float, clip: floa
     eps_hat = float(result.epsilon_lower_bound)
     return WhiteBoxReport(control=control, canaries=canaries, claimed_epsilon=epsilon, delta=delta,
                           noise_multiplier=sigma, sample_rate=q, steps=audit.steps, epsilon_lower_bound=eps_hat,
+                          mu_lower_bound=steinke_gdp_lower_bound(int(result.guesses_in + result.guesses_out),
+                                                                 int(result.correct), canaries),
                           ceiling=float(result.ceiling), correct=int(result.correct),
                           guesses=int(result.guesses_in + result.guesses_out),
                           passed=not (eps_hat > epsilon * (1 + 1e-9)) and math.isfinite(eps_hat))
