@@ -26,3 +26,11 @@ def test_every_positive_control_is_refuted_at_client_level(control):
 def test_ffa_lora_client_level_audit(control):
     report = run_client_canary_audit(method="ffa-lora", epsilon=EPS, control=control, **SIZE)
     assert report.passed == (control == "none"), report.line()
+
+
+def test_fedpower_audit_runs_the_client_canaries(capsys):
+    from fedpower_app.audit.membership import main
+
+    assert main(["client-canaries", "--canaries", "2000", "--clients", "100", "--dim", "256",
+                 "--control", "no-noise"]) == 0  # a broken release caught: the control did its job
+    assert "refutes the claim" in capsys.readouterr().out

@@ -67,3 +67,14 @@ def test_the_gaussian_dp_bound_is_sound_on_gaussians_of_known_mu(mu):
         mu_hat = steinke_gdp_lower_bound(2 * k, correct, m)
         assert mu_hat <= mu
         assert mu < 1 or mu_hat > 0.25 * mu
+
+
+def test_fedpower_audit_runs_the_white_box_audit(tiny_model_dir, capsys):  # noqa: F811
+    from fedpower_app.audit.membership import main
+
+    sets = ["--set", f'model.name="{tiny_model_dir}"', "--set", "lora.rank=8", "--set", "task.max-length=16",
+            "--set", "task.synthetic-train-size=64", "--set", "train.batch-size=32", "--set", "train.local-steps=5",
+            "--set", "num-server-rounds=4", "--set", "dp.epsilon=2.0", "--set", "dp.clip=1.0",
+            "--set", "lora.dropout=0.0"]
+    assert main(["white-box", *sets, "--control", "no-clip"]) == 0
+    assert "no-clip" in capsys.readouterr().out

@@ -117,3 +117,40 @@ def run_client_canary_audit(*, method: str = "fedlora", epsilon: float = 2.0, de
                           mu_lower_bound=steinke_gdp_lower_bound(guesses, int(result.correct), canaries),
                           ceiling=float(result.ceiling), correct=int(result.correct), guesses=guesses,
                           passed=not (eps_hat > epsilon * (1 + 1e-9)))
+
+
+def main(argv=None) -> int:
+    """``fedpower-audit client-canaries``: the correct release and every positive control; exit 1
+    if the correct release is refuted or a broken one is not."""
+    import argparse
+    import json
+    import sys
+
+    ap = argparse.ArgumentParser(prog="fedpower-audit client-canaries", description=__doc__.split("\n")[0])
+    ap.add_argument("--method", choices=METHODS, default="fedlora")
+    ap.add_argument("--epsilon", type=float, default=2.0)
+    ap.add_argument("--delta", type=float, default=1e-5)
+    ap.add_argument("--clients", type=int, default=200)
+    ap.add_argument("--canaries", type=int, default=4000)
+    ap.add_argument("--client-rate", type=float, default=0.5)
+    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--dim", type=int, default=512, help="adapter width (coordinates grow with it)")
+    ap.add_argument("--control", choices=CONTROLS + ("all",), default="all")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args(argv)
+    failed = False
+    for control in (CONTROLS if a.control == "all" else (a.control,)):
+        report = run_client_canary_audit(method=a.method, epsilon=a.epsilon, delta=a.delta, clients=a.clients,
+                                         canaries=a.canaries, client_rate=a.client_rate, rounds=a.rounds,
+                                         control=control, seed=a.seed, dim=a.dim)
+        print(json.dumps(report.as_dict()) if a.json else report.line().replace("white-box DP-SGD", "client-level"),
+              flush=True)
+        failed |= (control == "none") != report.passed
+    if failed:
+        print("client-canary audit: a correct release was refuted, or a broken one was not caught", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

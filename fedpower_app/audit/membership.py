@@ -32,6 +32,12 @@ Examples:
       --out results/audit/sst2-fedpower-eps8 --set dp.epsilon=8
   fedpower-audit --out results/audit/sst2-fedpower-eps8 --report-only
   fedpower-audit compare results/audit/sst2-fedpower-* --out results/audit/fedpower.md
+
+Audits that can fail (docs/privacy.md §10.1-10.2), each with its positive controls (no noise, a
+tenth of the noise, no clipping; exit 1 if the correct step is refuted or a broken one is not):
+
+  fedpower-audit white-box --set model.name=... --set dp.epsilon=2 [--canaries 4000] [--control all]
+  fedpower-audit client-canaries --method fedlora --epsilon 2 [--canaries 4000] [--control all]
 """
 
 from __future__ import annotations
@@ -231,6 +237,14 @@ def make_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["white-box"]:  # DP-SGD on a silo, Dirac gradient canaries and positive controls
+        from .white_box import main as white_box_main
+
+        return white_box_main(argv[1:])
+    if argv[:1] == ["client-canaries"]:  # client-level DP, canary clients and positive controls
+        from .client_canaries import main as client_canaries_main
+
+        return client_canaries_main(argv[1:])
     if argv[:1] == ["compare"]:
         cp = argparse.ArgumentParser(prog="fedpower-audit compare")
         cp.add_argument("dirs", nargs="+")
