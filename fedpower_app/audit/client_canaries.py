@@ -24,7 +24,7 @@ import math
 import numpy as np
 import torch
 
-from .white_box import CONTROLS, WhiteBoxReport
+from .white_box import CONTROLS, WhiteBoxReport, run_controls
 
 METHODS = ("fedlora", "ffa-lora")
 
@@ -123,8 +123,6 @@ def main(argv=None) -> int:
     """``fedpower-audit client-canaries``: the correct release and every positive control; exit 1
     if the correct release is refuted or a broken one is not."""
     import argparse
-    import json
-    import sys
 
     ap = argparse.ArgumentParser(prog="fedpower-audit client-canaries", description=__doc__.split("\n")[0])
     ap.add_argument("--method", choices=METHODS, default="fedlora")
@@ -139,17 +137,11 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
-    failed = False
-    for control in (CONTROLS if a.control == "all" else (a.control,)):
-        report = run_client_canary_audit(method=a.method, epsilon=a.epsilon, delta=a.delta, clients=a.clients,
-                                         canaries=a.canaries, client_rate=a.client_rate, rounds=a.rounds,
-                                         control=control, seed=a.seed, dim=a.dim)
-        print(json.dumps(report.as_dict()) if a.json else report.line().replace("white-box DP-SGD", "client-level"),
-              flush=True)
-        failed |= (control == "none") != report.passed
-    if failed:
-        print("client-canary audit: a correct release was refuted, or a broken one was not caught", file=sys.stderr)
-    return 1 if failed else 0
+    return run_controls(
+        lambda control: run_client_canary_audit(method=a.method, epsilon=a.epsilon, delta=a.delta, clients=a.clients,
+                                                canaries=a.canaries, client_rate=a.client_rate, rounds=a.rounds,
+                                                control=control, seed=a.seed, dim=a.dim),
+        a.control, as_json=a.json, label="client-level canary audit")
 
 
 if __name__ == "__main__":  # pragma: no cover

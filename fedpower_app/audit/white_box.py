@@ -192,13 +192,29 @@ def run_white_box_audit(model, data, *, epsilon: float, delta: float, clip: floa
                           passed=not (eps_hat > epsilon * (1 + 1e-9)) and math.isfinite(eps_hat))
 
 
-def main(argv=None) -> int:
-    """Run the white-box audit on a configuration's model and first silo; exit 1 if it refutes the claim."""
-    import argparse
+def run_controls(audit, control: str, *, as_json: bool, label: str) -> int:
+    """Run ``audit(control)`` for one control or all of them (``"all"``), print each report, and
+    return 1 if the correct step is refuted or a broken one is not (its audit is the check)."""
     import json
     import sys
 
-    ap = argparse.ArgumentParser(prog="python -m fedpower_app.audit.white_box", description=__doc__.split("\n")[0])
+    failed = False
+    for c in (CONTROLS if control == "all" else (control,)):
+        report = audit(c)
+        print(json.dumps(report.as_dict()) if as_json else report.line().replace("white-box DP-SGD audit", label),
+              flush=True)
+        failed |= (c == "none") != report.passed
+    if failed:
+        print(f"{label}: a correct step was refuted, or a broken one was not caught", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def main(argv=None) -> int:
+    """``fedpower-audit white-box``: the audit on a configuration's model and first silo, with the
+    positive controls; exit 1 if the correct step is refuted or a broken one is not."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="fedpower-audit white-box", description=__doc__.split("\n")[0])
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="run-config keys (model, task, LoRA, b, L, T, clip, epsilon, delta, accountant)")
     ap.add_argument("--canaries", type=int, default=4000)
@@ -218,22 +234,18 @@ def main(argv=None) -> int:
     cfg = parse_config(parse_set(a.set))
     tok = M.load_tokenizer(cfg["model.name"])
     task = D.load_task(cfg)
-    failed = False
-    for control in (CONTROLS if a.control == "all" else (a.control,)):
+
+    def audit(control: str) -> WhiteBoxReport:
         model = M.build_model(cfg, task.num_labels)
         M.set_trainable(model, train_a=True, train_b=True)
         shard = D.client_shard(cfg, tok, 0, 1)
-        report = run_white_box_audit(
+        return run_white_box_audit(
             model, shard, epsilon=cfg["dp.epsilon"], delta=cfg["dp.delta"], clip=cfg["dp.clip"],
             batch_size=cfg["train.batch-size"], local_steps=cfg["train.local-steps"],
             rounds=cfg["num-server-rounds"], canaries=a.canaries, control=control, seed=cfg["seed"],
             guess_fraction=a.guess_fraction, accountant=cfg["dp.accountant"])
-        print(json.dumps(report.as_dict()) if a.json else report.line(), flush=True)
-        # the correct step must pass; a broken one is expected to fail (its audit is the check)
-        failed |= (control == "none") != report.passed
-    if failed:
-        print("white-box audit: a correct step was refuted, or a broken one was not caught", file=sys.stderr)
-    return 1 if failed else 0
+
+    return run_controls(audit, a.control, as_json=a.json, label="white-box DP-SGD audit")
 
 
 if __name__ == "__main__":  # pragma: no cover
