@@ -45,8 +45,14 @@ def test_every_key_documented_once_in_readme():
 def test_all_presets_are_valid():
     presets = [p for p in (PROJECT_ROOT / "conf").glob("*.toml") if p.name != "flwr-config.toml"]
     assert presets
+    from fedpower_app.config import preset_method_tables, with_method_preset
+
     for path in presets:
-        parse_config(load_preset(path))  # raises on unknown keys or bad values
+        preset = load_preset(path)
+        rest, tables = preset_method_tables(preset)  # raises on a bad [methods.<name>] table
+        parse_config(rest)  # raises on unknown keys or bad values
+        for method in tables:  # and every method at its own settings for this preset
+            parse_config(with_method_preset({**preset, "strategy.name": method}, explicit={"strategy.name"})[0])
 
 
 def test_hashable_and_equal():
