@@ -11,6 +11,15 @@ from pathlib import Path
 from .runs.atomic import write_atomic
 
 
+def _palette_png(image) -> bytes:
+    """``image`` (PIL) as an optimised PNG with an adaptive 256-colour palette."""
+    from PIL import Image
+
+    out = io.BytesIO()
+    image.convert("RGB").quantize(colors=256, method=Image.Quantize.MEDIANCUT).save(out, format="PNG", optimize=True)
+    return out.getvalue()
+
+
 def save_png(fig, path: Path | str, *, dpi: int = 110) -> Path:
     """Save a matplotlib figure to ``path`` as a palette PNG, atomically."""
     from PIL import Image
@@ -18,10 +27,8 @@ def save_png(fig, path: Path | str, *, dpi: int = 110) -> Path:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=dpi)
     buf.seek(0)
-    image = Image.open(buf).convert("RGB").quantize(colors=256, method=Image.Quantize.MEDIANCUT)
-    out = io.BytesIO()
-    image.save(out, format="PNG", optimize=True)
-    return write_atomic(path, out.getvalue())
+    with Image.open(buf) as image:
+        return write_atomic(path, _palette_png(image))
 
 
 def compact_png(path: Path | str) -> int:
@@ -33,10 +40,8 @@ def compact_png(path: Path | str) -> int:
     with Image.open(path) as image:
         if image.mode == "P":
             return 0
-        converted = image.convert("RGB").quantize(colors=256, method=Image.Quantize.MEDIANCUT)
-    out = io.BytesIO()
-    converted.save(out, format="PNG", optimize=True)
-    if len(out.getvalue()) >= before:
+        data = _palette_png(image)
+    if len(data) >= before:
         return 0
-    write_atomic(path, out.getvalue())
-    return before - len(out.getvalue())
+    write_atomic(path, data)
+    return before - len(data)

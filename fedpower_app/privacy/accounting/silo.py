@@ -131,7 +131,10 @@ def silo_admits(ledger: SiloLedger, params, num_examples: int, *, max_epsilon: f
     ``params`` are the DP parameters the server sent (``DPSGDParams``, or None when it sent none).
     Raises ``SiloRefusal`` if they are missing or unusable, or if training would take this silo's
     own ledger past ``max_epsilon``. The silo trusts only its own ledger and its own n."""
-    q = _checked_rate(params, num_examples)
+    return _within_budget(ledger, params, _checked_rate(params, num_examples), max_epsilon)
+
+
+def _within_budget(ledger: SiloLedger, params, q: float, max_epsilon: float) -> float:
     after = ledger.epsilon_if(q, params.noise_multiplier, params.local_steps)
     if after > max_epsilon * (1 + 1e-9):
         raise SiloRefusal(f"refused: this round would take the silo to epsilon {after:.3f} > its budget "
@@ -170,4 +173,4 @@ def silo_gate(ledger: SiloLedger, paid: list, key: str | None, params, num_examp
                                       f"DP parameters {entry.get('params')}; a replay must carry the same, got "
                                       f"{paid_params(params, q)}")
                 return q, False  # the same seeded release again: already charged
-    return silo_admits(ledger, params, num_examples, max_epsilon=max_epsilon), True
+    return _within_budget(ledger, params, q, max_epsilon), True  # parameters checked above
