@@ -86,6 +86,7 @@ SCHEMA: dict[str, tuple[type, Callable[[Any], str | None] | None]] = {
     "train.lr-schedule": (str, _in(LR_SCHEDULES)),
     "train.optimizer": (str, _in(LOCAL_OPTIMIZERS)),
     "train.optimizer-state": (str, _in(OPTIMIZER_STATES)),
+    "train.adam-eps": (float, _pos),
     "train.cache-frozen": (bool, None),
     "eval.batch-size": (int, _min1),
     "eval.every": (int, _min1),

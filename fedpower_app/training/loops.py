@@ -124,12 +124,15 @@ def round_lr(lr: float, schedule: str, server_round: int, num_rounds: int) -> fl
     raise ValueError(f"unknown learning-rate schedule {schedule!r}")
 
 
-def local_optimizer(params, *, lr: float, kind: str = "adam"):
+def local_optimizer(params, *, lr: float, kind: str = "adam", adam_eps: float = 1e-8):
     """A silo's optimizer for one round (fresh every round): Adam, or SGD. The one place both the
-    plain and the DP-SGD local training build it."""
+    plain and the DP-SGD local training build it. ``adam_eps`` (``train.adam-eps``): Adam's
+    denominator floor; under DP-SGD, set near the noise's per-coordinate std σC/b, a coordinate
+    that only noise moves steps by about lr·std/eps instead of lr (a fresh Adam's first steps are
+    sign-like: lr whatever the signal)."""
     params = list(params)
     if kind == "adam":
-        return torch.optim.Adam(params, lr=lr)
+        return torch.optim.Adam(params, lr=lr, eps=adam_eps)
     if kind == "sgd":
         return torch.optim.SGD(params, lr=lr)
     raise ValueError(f"unknown optimizer {kind!r}")
@@ -160,7 +163,7 @@ def keep_optimizer(opt, params, *, kind: str, carry: dict | None) -> None:
 def train_local(model, data: TokenizedSplit, *, steps: int, batch_size: int, lr: float,
                 generator: torch.Generator, poisson: bool, device: torch.device,
                 dropout_seed: int | None = None, physical_batch_size: int = PHYSICAL_BATCH_SIZE,
-                optimizer: str = "adam", optimizer_carry: dict | None = None) -> TrainStats:
+                optimizer: str = "adam", optimizer_carry: dict | None = None, adam_eps: float = 1e-8) -> TrainStats:
     """L steps of mini-batch Adam (or SGD: ``optimizer``) on the trainable parameters; a fresh
     optimizer every round.
     ``dropout_seed`` makes the dropout masks a function of the seed alone (see ``silo_randomness``)."""
@@ -170,16 +173,16 @@ def train_local(model, data: TokenizedSplit, *, steps: int, batch_size: int, lr:
         return _train_steps(model, data, steps=steps, batch_size=batch_size, lr=lr,
                             generator=generator, poisson=poisson, device=device,
                             physical_batch_size=physical_batch_size, optimizer=optimizer,
-                            optimizer_carry=optimizer_carry)
+                            optimizer_carry=optimizer_carry, adam_eps=adam_eps)
 
 
 def _train_steps(model, data: TokenizedSplit, *, steps: int, batch_size: int, lr: float,
                  generator: torch.Generator, poisson: bool, device: torch.device,
                  physical_batch_size: int = PHYSICAL_BATCH_SIZE, optimizer: str = "adam",
-                 optimizer_carry: dict | None = None) -> TrainStats:
+                 optimizer_carry: dict | None = None, adam_eps: float = 1e-8) -> TrainStats:
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = local_optimizer(params, lr=lr, kind=optimizer)
+    opt = local_optimizer(params, lr=lr, kind=optimizer, adam_eps=adam_eps)
     resume_optimizer(opt, params, lr=lr, kind=optimizer, carry=optimizer_carry)
     total, count, seen, empty = 0.0, 0, 0, 0
     for idx in batch_indices(len(data), batch_size, steps, generator, poisson, rate_size=getattr(data, "dp_size", None)):

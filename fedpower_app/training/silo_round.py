@@ -32,8 +32,9 @@ def train_round(cfg, model, data, *, partition_id: int, server_round: int, train
         return dp_sgd_train_local(model, data, params=params, lr=lr,
                                   sampling_generator=streams.sampling, noise_generator=streams.dp_noise,
                                   secure_noise=noise.hardened, device=device, dropout_seed=streams.dropout_seed,
-                                  optimizer=cfg["train.optimizer"], optimizer_carry=optimizer_carry)
+                                  optimizer=cfg["train.optimizer"], optimizer_carry=optimizer_carry,
+                                  adam_eps=cfg["train.adam-eps"])
     return train_local(model, data, steps=cfg["train.local-steps"], batch_size=cfg["train.batch-size"], lr=lr,
                        generator=streams.sampling, poisson=(cfg["dp.level"] == "sample"), device=device,
                        dropout_seed=streams.dropout_seed, optimizer=cfg["train.optimizer"],
-                       optimizer_carry=optimizer_carry)
+                       optimizer_carry=optimizer_carry, adam_eps=cfg["train.adam-eps"])
