@@ -35,12 +35,14 @@ def test_the_correct_step_passes_with_power(tiny_setup):
     assert report.passed and report.steps == 20
     assert 0.2 * EPS < report.epsilon_lower_bound <= EPS  # not 0: the audit sees the canaries
     assert report.ceiling > 2 * EPS  # enough canaries to refute a claim of EPS
+    assert not report.claim_refuted and 0 < report.mu_lower_bound <= report.claimed_mu
 
 
-@pytest.mark.parametrize("control", ["no-noise", "tenth-noise", "no-clip"])
+@pytest.mark.parametrize("control", ["no-noise", "tenth-noise", "no-clip", "non-private"])
 def test_every_positive_control_is_refuted(tiny_setup, control):
     report = _audit(tiny_setup, control)
     assert not report.passed and report.epsilon_lower_bound > EPS, report.line()
+    assert report.claim_refuted and report.mu_lower_bound > report.claimed_mu
 
 
 def test_dirac_coordinates_are_distinct_and_in_range():
@@ -73,8 +75,27 @@ def test_fedpower_audit_runs_the_white_box_audit(tiny_model_dir, capsys):  # noq
     from fedpower_app.audit.membership import main
 
     sets = ["--set", f'model.name="{tiny_model_dir}"', "--set", "lora.rank=8", "--set", "task.max-length=16",
-            "--set", "task.synthetic-train-size=64", "--set", "train.batch-size=32", "--set", "train.local-steps=5",
+            "--set", "task.synthetic-train-size=128", "--set", "train.batch-size=32", "--set", "train.local-steps=5",
             "--set", "num-server-rounds=4", "--set", "dp.epsilon=2.0", "--set", "dp.clip=1.0",
             "--set", "lora.dropout=0.0"]
-    assert main(["white-box", *sets, "--control", "no-clip"]) == 0
+    assert main(["white-box", *sets, "--silos", "2", "--control", "no-clip"]) == 0
     assert "no-clip" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("method", ["fedpower", "ffa-lora"])
+def test_the_audit_inside_a_federated_run_refutes_a_broken_step_at_eps_8(tiny_setup, method):
+    """Canaries in every silo's DP-SGD of a federated run (the product's engine and silo round):
+    at a claim of 8 the correct step passes with power and no-noise is refuted by the f-DP test of
+    the accountant's profile (Steinke's (eps, delta) bound cannot pass 8.2 at delta = 1e-5)."""
+    from fedpower_app.config import parse_config
+
+    cfg, _ = tiny_setup
+    cfg = parse_config({**cfg.to_dict(), "strategy.name": method, "dp.epsilon": 8.0, "dp.clip": 1.0,
+                        "task.synthetic-train-size": 192, "train.batch-size": 32, "train.local-steps": 5,
+                        "num-server-rounds": 4, "dp.noise": "seeded"})
+    correct = WB.run_federated_white_box_audit(cfg, silos=3, canaries=3000)
+    assert correct.passed and 0 < correct.mu_lower_bound <= correct.claimed_mu, correct.line()
+    assert correct.steps == 20 and correct.sample_rate == 0.5
+    broken = WB.run_federated_white_box_audit(cfg, silos=3, canaries=3000, control="no-noise")
+    assert broken.claim_refuted and broken.mu_lower_bound > broken.claimed_mu, broken.line()
+    assert broken.epsilon_lower_bound < 8.0  # the (eps, delta) form alone could not have refuted it

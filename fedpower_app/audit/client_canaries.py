@@ -12,8 +12,21 @@ noise. The other clients send random deltas (the audit is of the mechanism, not 
 Threat model: the adversary sees every round's released global adapters. Canary j's score is the
 sum over rounds of the released delta's projection on u_j; the scores go to Steinke's one-run
 bound (and its Gaussian-DP form). Positive controls: ``no-noise``, ``tenth-noise`` (the planned
-stds / 10) and ``no-clip`` (the server's clip off). Methods: FedLoRA and FFA-LoRA (linear delta
-releases); FedPower's PowerDP-L releases refactorized factors, which this score does not yet read.
+stds / 10), ``no-clip`` (the server's clip off) and ``non-private`` (both off).
+
+Methods:
+* FedLoRA and FFA-LoRA (linear delta releases): u_j is a random unit vector over the trained
+  coordinates (A, B and the head; FFA-LoRA: B and the head); the score reads the released change
+  of those coordinates.
+* FedPower (PowerDP-L, docs/privacy.md §3.2): the server clips each client's *merged* change
+  dW_i = B_i A_i - B_g A_g, so a canary's direction lives in the merged space. A reply is rank-r
+  factors, so canary j moves B only: B_i = B_g + s X_j, A_i = A_g, head + s h_j, i.e.
+  dW_i = s X_j A_g, with X_j (m x r per module) and h_j drawn once, and s set each round so that
+  ||(X_j A_g, h_j)|| s = 10 C. Its round-t direction U_j^t = (X_j A_g^t, h_j) / ||.|| is fixed by
+  public information before the round; the score is the sum over rounds of
+  <B' A' - B_g A_g, X_j A_g> + <dhead, h_j>, normalised, read from the released factors (B', A')
+  without forming any m x n matrix. The one-run bound holds for any score fixed before the coins
+  are seen; this one is what PowerDP-L keeps (the new A is warm-started from A_g).
 """
 
 from __future__ import annotations
@@ -24,9 +37,9 @@ import math
 import numpy as np
 import torch
 
-from .white_box import CONTROLS, WhiteBoxReport, run_controls
+from .white_box import CONTROLS, NO_CLIP, NO_NOISE, WhiteBoxReport, run_controls, score_report
 
-METHODS = ("fedlora", "ffa-lora")
+METHODS = ("fedlora", "ffa-lora", "fedpower")
 
 
 def _initial_state(modules: int, rank: int, dim: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
@@ -43,6 +56,77 @@ def _trained_keys(state: dict, method: str) -> list[str]:
     return [k for k in sorted(state) if not (method == "ffa-lora" and k.endswith(".lora_A.weight"))]
 
 
+class LinearCanaries:
+    """FedLoRA / FFA-LoRA: canary j is a random unit vector u_j over the trained coordinates."""
+
+    def __init__(self, state: dict, method: str, count: int, rng: np.random.Generator) -> None:
+        self.keys = _trained_keys(state, method)
+        self.shapes = {k: state[k].shape for k in self.keys}
+        self.sizes = [state[k].numel() for k in self.keys]
+        directions = rng.normal(size=(count, sum(self.sizes)))
+        directions /= np.linalg.norm(directions, axis=1, keepdims=True)
+        self.directions = torch.as_tensor(directions, dtype=torch.float32)
+
+    def flat(self, st: dict) -> torch.Tensor:
+        return torch.cat([st[k].reshape(-1).float() for k in self.keys])
+
+    def moved(self, glob: dict, move: torch.Tensor) -> dict:
+        out, start = {k: v.clone() for k, v in glob.items()}, 0
+        for k, n in zip(self.keys, self.sizes):
+            out[k] = glob[k] + move[start:start + n].view(self.shapes[k])
+            start += n
+        return out
+
+    def canary_reply(self, j: int, glob: dict, length: float) -> dict:
+        return self.moved(glob, self.directions[j] * length)
+
+    def scores(self, before: dict, after: dict) -> np.ndarray:
+        return (self.directions @ (self.flat(after) - self.flat(before))).double().numpy()
+
+
+class ProductCanaries(LinearCanaries):
+    """FedPower: canary j moves B only, B_g + s X_j (its merged change s X_j A_g), and the head by
+    s h_j; the score reads the released merged change along (X_j A_g, h_j), factored."""
+
+    def __init__(self, state: dict, count: int, rng: np.random.Generator) -> None:
+        super().__init__(state, "fedlora", 0, rng)  # flat(): every trained coordinate (random clients)
+        self.modules = sorted(k[: -len(".lora_A.weight")] for k in state if k.endswith(".lora_A.weight"))
+        self.heads = sorted(k for k in state if ".lora_" not in k)
+        self.X = {mod: torch.as_tensor(rng.normal(size=(count, *state[f"{mod}.lora_B.weight"].shape)),
+                                       dtype=torch.float64) for mod in self.modules}
+        self.h = {k: torch.as_tensor(rng.normal(size=(count, state[k].numel())), dtype=torch.float64)
+                  for k in self.heads}
+
+    def _norms(self, glob: dict) -> torch.Tensor:
+        """||(X_j A_g, h_j)|| for every canary (through the r x r Gram matrix of A_g)."""
+        sq = sum((h * h).sum(1) for h in self.h.values())
+        for mod, X in self.X.items():
+            A = glob[f"{mod}.lora_A.weight"].double()
+            sq = sq + ((X @ (A @ A.T)) * X).sum((1, 2))
+        return sq.sqrt()
+
+    def canary_reply(self, j: int, glob: dict, length: float) -> dict:
+        s = length / float(self._norms(glob)[j])
+        out = {k: v.clone() for k, v in glob.items()}
+        for mod, X in self.X.items():
+            key = f"{mod}.lora_B.weight"
+            out[key] = glob[key] + (s * X[j]).to(glob[key].dtype)
+        for k, h in self.h.items():
+            out[k] = glob[k] + (s * h[j]).view_as(glob[k]).to(glob[k].dtype)
+        return out
+
+    def scores(self, before: dict, after: dict) -> np.ndarray:
+        total = torch.zeros(len(next(iter(self.X.values()))), dtype=torch.float64)
+        for mod, X in self.X.items():
+            A_g, B_g = before[f"{mod}.lora_A.weight"].double(), before[f"{mod}.lora_B.weight"].double()
+            A_n, B_n = after[f"{mod}.lora_A.weight"].double(), after[f"{mod}.lora_B.weight"].double()
+            G = B_n @ (A_n @ A_g.T) - B_g @ (A_g @ A_g.T)  # (B'A' - B_g A_g) A_g^T: m x r
+            total += (X * G).sum((1, 2))
+        for k, h in self.h.items():
+            total += h @ (after[k] - before[k]).reshape(-1).double()
+        return (total / self._norms(before)).numpy()
+
+
 def run_client_canary_audit(*, method: str = "fedlora", epsilon: float = 2.0, delta: float = 1e-5,
                             clients: int = 200, canaries: int = 1000, client_rate: float = 0.5,
                             rounds: int = 10, clip: float = 1.0, control: str = "none", seed: int = 0,
@@ -52,7 +136,6 @@ def run_client_canary_audit(*, method: str = "fedlora", epsilon: float = 2.0, de
     from strategies.engine import RoundReport
 
     from ..config import parse_config
-    from .bounds import canary_audit, steinke_gdp_lower_bound
 
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
@@ -65,58 +148,37 @@ def run_client_canary_audit(*, method: str = "fedlora", epsilon: float = 2.0, de
     gen = torch.Generator().manual_seed(seed)
     state = _initial_state(modules, rank, dim, gen)
     engine = engine_for(cfg, state, client_sizes=[1] * population)
-    keys = _trained_keys(state, method)
-    sizes = [state[k].numel() for k in keys]
     rng = np.random.default_rng([seed, 34035])  # the audit's own randomness: coins and directions
     exists = rng.random(canaries) < 0.5
-    directions = rng.normal(size=(canaries, sum(sizes)))
-    directions /= np.linalg.norm(directions, axis=1, keepdims=True)
-    directions_t = torch.as_tensor(directions, dtype=torch.float32)
+    kind = ProductCanaries(state, canaries, rng) if method == "fedpower" else LinearCanaries(state, method, canaries, rng)
+    width = sum(kind.sizes)
     scores = np.zeros(canaries)
 
-    def flat(st):
-        return torch.cat([st[k].reshape(-1).float() for k in keys])
-
-    def unflat(vec):
-        out, start = {}, 0
-        for k, n in zip(keys, sizes):
-            out[k] = vec[start:start + n].view_as(state[k])
-            start += n
-        return out
-
-    if control == "no-clip":
+    if control in NO_CLIP:
         engine.ctx = dataclasses.replace(engine.ctx, clip=math.inf)
     for t in range(1, rounds + 1):
         plan = engine.plan_for(t, list(range(population)))
-        if control != "none" and control != "no-clip":
-            factor = 0.0 if control == "no-noise" else 0.1
+        if control in NO_NOISE or control == "tenth-noise":
+            factor = 0.0 if control in NO_NOISE else 0.1
             engine._plan = dataclasses.replace(plan, noise_stds=tuple(s * factor for s in plan.noise_stds))
-        before = flat(engine.global_state)
+        before = {k: v.clone() for k, v in engine.global_state.items()}
         updates = []
         for node in plan.admitted:
             if node >= clients and not exists[node - clients]:
                 continue  # a canary that does not exist never answers
             if node >= clients:
-                move = directions_t[node - clients] * (10.0 * clip)
+                moved = kind.canary_reply(node - clients, before, 10.0 * clip)
             else:
-                move = torch.randn(sum(sizes), generator=gen)
-                move *= (0.5 * clip) / move.norm()
-            moved = {k: v.clone() for k, v in engine.global_state.items()}
-            moved.update({k: engine.global_state[k] + d for k, d in unflat(move).items()})
+                move = torch.randn(width, generator=gen)
+                moved = kind.moved(before, move * ((0.5 * clip) / move.norm()))
             reply = {k: moved[k] for k in engine.expected_reply_shapes()}
             updates.append(engine.update_from_state(reply))
         engine.release_updates(RoundReport(t, plan.round_type, sampled=len(plan.admitted)), updates)
-        released = flat(engine.global_state) - before
-        scores += (directions_t @ released).double().numpy()
-    result = canary_audit(scores, exists, delta=delta, guess_fraction=guess_fraction, claimed_epsilon=epsilon)
-    eps_hat = float(result.epsilon_lower_bound)
-    guesses = int(result.guesses_in + result.guesses_out)
-    return WhiteBoxReport(control=control, canaries=canaries, claimed_epsilon=epsilon, delta=delta,
-                          noise_multiplier=float(plan.noise_stds[0]) if plan.noise_stds else 0.0,
-                          sample_rate=client_rate, steps=rounds, epsilon_lower_bound=eps_hat,
-                          mu_lower_bound=steinke_gdp_lower_bound(guesses, int(result.correct), canaries),
-                          ceiling=float(result.ceiling), correct=int(result.correct), guesses=guesses,
-                          passed=not (eps_hat > epsilon * (1 + 1e-9)))
+        scores += kind.scores(before, engine.global_state)
+    return score_report(scores, exists, control=control, epsilon=epsilon, delta=delta,
+                        epsilon_at=engine.privacy.ledger.epsilon_at, guess_fraction=guess_fraction,
+                        noise_multiplier=float(plan.noise_stds[0]) if plan.noise_stds else 0.0,
+                        sample_rate=client_rate, steps=rounds)
 
 
 def main(argv=None) -> int:

@@ -15,12 +15,17 @@ about q·L·T, the noise N(0, σ²(Δ/C)²·L·T). Scores go to Steinke's one-ru
 (``bounds.canary_audit``): the top and bottom ``guess_fraction`` are guessed IN and OUT.
 
 Positive controls break the step on purpose while the claim stays the calibrated ε:
-``no-noise`` (no noise added), ``tenth-noise`` (a tenth of the calibrated std) and ``no-clip``
-(canaries reach the sum unclipped). Each must give ε̂ above the claim, at a number of canaries
+``no-noise`` (no noise added), ``tenth-noise`` (a tenth of the calibrated std), ``no-clip``
+(canaries reach the sum unclipped) and ``non-private`` (both: what a non-private step shows). Each must give ε̂ above the claim, at a number of canaries
 whose ceiling allows it. The canaries never reach a released model: the audit trains its own copy
-of the model, outside any federated run.
+of the model (``run_white_box_audit``: one silo; ``run_federated_white_box_audit``: a replay of a
+federated configuration through the product's round engine, canaries in every silo), never a run's.
 
-    python -m fedpower_app.audit.white_box --model /path/to/local/bert --epsilon 2 --canaries 4000
+Verdict: the one-run f-DP test (``fdp_bound.profile_rejected``, Mahloujifar et al. 2025) of the
+accountant's whole claimed profile eps(delta) at 95 %. Printed beside it: Steinke's (eps, delta)
+bound eps_hat with its ceiling, and the Gaussian form mu_hat against the claim's mu.
+
+    fedpower-audit white-box --preset conf/tiny.toml --silos 3 --canaries 4000 --control all
 """
 
 from __future__ import annotations
@@ -31,7 +36,10 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-CONTROLS = ("none", "no-noise", "tenth-noise", "no-clip")
+CONTROLS = ("none", "no-noise", "tenth-noise", "no-clip", "non-private")
+#: What each broken step removes (``non-private``: noise and clipping both, what a non-private run's
+#: step shows the auditor, the reference beside the private runs).
+NO_NOISE, NO_CLIP = ("no-noise", "non-private"), ("no-clip", "non-private")
 
 
 class GradientCanaries:
@@ -69,20 +77,20 @@ class GradientCanaries:
         def clip_with_canaries():
             if self._sampled is None:  # the logical step's first chunk: draw which canaries take part
                 self._sampled = np.flatnonzero(self.included & (self.rng.random(len(self.coords)) < self.q))
-            rows = self._rows() if self.control != "no-clip" else None
+            rows = self._rows() if self.control not in NO_CLIP else None
             if rows is not None:  # canary rows go through the product's clipping with the real examples
                 for p, extra in zip(self.params, rows):
                     p.grad_sample = torch.cat([p.grad_sample, extra.to(p.grad_sample.dtype)], dim=0)
                 self._sampled = self._sampled[:0]  # injected once per logical step
             clip_and_accumulate()
-            if self.control == "no-clip" and len(self._sampled):  # the broken step: canaries unclipped
+            if self.control in NO_CLIP and len(self._sampled):  # the broken step: canaries unclipped
                 for j in self._sampled:
                     t, i = self.coords[j]
                     self.params[t].summed_grad.view(-1)[i] += self.scale * self.clip
                 self._sampled = self._sampled[:0]
 
         def noise_then_observe():
-            if self.control == "no-noise":
+            if self.control in NO_NOISE:
                 for p in dp_optimizer.params:
                     p.grad = p.summed_grad.view_as(p).clone()
                     p.summed_grad._processed = True
@@ -129,6 +137,10 @@ def dirac_coordinates(params: list[torch.Tensor], m: int, rng: np.random.Generat
 
 @dataclass
 class WhiteBoxReport:
+    """One audit's outcome. The verdict tests the accountant's whole claimed privacy profile with the
+    one-run f-DP bound (``fdp_bound.profile_rejected``, 95 %); the (eps, delta) form (Steinke et al.)
+    and the Gaussian form (mu_hat, Mahloujifar et al.) are the bounds printed beside the claim."""
+
     control: str
     canaries: int
     claimed_epsilon: float
@@ -136,12 +148,14 @@ class WhiteBoxReport:
     noise_multiplier: float
     sample_rate: float
     steps: int
-    epsilon_lower_bound: float
-    mu_lower_bound: float  # Gaussian-DP form at the same confidence (bounds.steinke_gdp_lower_bound)
-    ceiling: float
+    epsilon_lower_bound: float  # Steinke et al.'s one-run bound, (eps, delta) form, 95 %
+    mu_lower_bound: float  # the one-run f-DP bound: the largest mu-GDP refuted, 95 %
+    claimed_mu: float  # the mu whose Gaussian curve has the claimed eps at delta
+    ceiling: float  # the largest eps_hat (Steinke) these canaries can certify
     correct: int
     guesses: int
-    passed: bool  # epsilon_lower_bound <= claimed_epsilon
+    claim_refuted: bool  # the accountant's profile eps(delta) is refuted (fdp_bound.profile_rejected)
+    passed: bool  # not claim_refuted
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -149,10 +163,35 @@ class WhiteBoxReport:
     def line(self) -> str:
         verdict = "PASS" if self.passed else "FAIL: the audit refutes the claim"
         return (f"white-box DP-SGD audit, control {self.control}: eps_hat {self.epsilon_lower_bound:.3f} "
-                f"(mu_hat {self.mu_lower_bound:.3f}) "
-                f"(ceiling {self.ceiling:.3f} at {self.canaries} canaries, {self.correct}/{self.guesses} guesses right) "
+                f"(ceiling {self.ceiling:.3f}), mu_hat {self.mu_lower_bound:.3f} vs the claim's mu "
+                f"{self.claimed_mu:.3f} ({self.correct}/{self.guesses} guesses right, {self.canaries} canaries) "
                 f"vs claimed eps {self.claimed_epsilon:g} (delta {self.delta:g}; sigma {self.noise_multiplier:.3f}, "
-                f"q {self.sample_rate:.3f}, {self.steps} steps): {verdict}")
+                f"q {self.sample_rate:.3f}, {self.steps} steps; an included canary is sampled at least once "
+                f"with probability {1 - (1 - self.sample_rate) ** self.steps:.2f}): {verdict}")
+
+
+def score_report(scores, included, *, control: str, epsilon: float, delta: float, epsilon_at,
+                 guess_fraction: float, **meta) -> WhiteBoxReport:
+    """Turn canary scores into a report: guess the top and bottom ``guess_fraction`` IN and OUT,
+    bound eps (Steinke) and mu (f-DP), and test the accountant's profile ``epsilon_at(delta)``."""
+    from .bounds import canary_audit
+    from .fdp_bound import fdp_gdp_lower_bound, gaussian_mu, profile_rejected
+
+    result = canary_audit(scores, included, delta=delta, guess_fraction=guess_fraction, claimed_epsilon=epsilon)
+    guesses, correct, m = int(result.guesses_in + result.guesses_out), int(result.correct), int(result.canaries)
+    refuted = profile_rejected(epsilon_at, guesses, correct, m)
+    return WhiteBoxReport(control=control, canaries=m, claimed_epsilon=epsilon, delta=delta,
+                          epsilon_lower_bound=float(result.epsilon_lower_bound),
+                          mu_lower_bound=fdp_gdp_lower_bound(guesses, correct, m),
+                          claimed_mu=gaussian_mu(epsilon, delta), ceiling=float(result.ceiling), correct=correct,
+                          guesses=guesses, claim_refuted=refuted, passed=not refuted, **meta)
+
+
+def dp_sgd_profile(sample_rate: float, sigma: float, steps: int, accountant: str):
+    """The accountant's claimed eps(delta) of ``steps`` DP-SGD steps at (q, sigma), for any delta."""
+    from ..privacy.accounting.silo import dp_sgd_epsilon
+
+    return lambda delta: dp_sgd_epsilon([(sample_rate, sigma, steps)], delta, accountant)
 
 
 def run_white_box_audit(model, data, *, epsilon: float, delta: float, clip: float, batch_size: int,
@@ -163,7 +202,6 @@ def run_white_box_audit(model, data, *, epsilon: float, delta: float, clip: floa
     them on ``model`` (its trainable set settled) with ``canaries`` Dirac canaries, and bound ε."""
     from ..privacy.accounting.silo import calibrate_noise_multiplier
     from ..training.dp_sgd import DPSGDParams, dp_sgd_train_local
-    from .bounds import canary_audit, steinke_gdp_lower_bound
 
     device = device or torch.device("cpu")
     n = len(data)
@@ -180,16 +218,66 @@ def run_white_box_audit(model, data, *, epsilon: float, delta: float, clip: floa
     for _ in range(rounds):
         dp_sgd_train_local(model, data, params=params, lr=1e-3, sampling_generator=sampling, noise_generator=noise,
                            device=device, canaries=audit)
-    result = canary_audit(audit.scores, audit.included, delta=delta, guess_fraction=guess_fraction,
-                          claimed_epsilon=epsilon)
-    eps_hat = float(result.epsilon_lower_bound)
-    return WhiteBoxReport(control=control, canaries=canaries, claimed_epsilon=epsilon, delta=delta,
-                          noise_multiplier=sigma, sample_rate=q, steps=audit.steps, epsilon_lower_bound=eps_hat,
-                          mu_lower_bound=steinke_gdp_lower_bound(int(result.guesses_in + result.guesses_out),
-                                                                 int(result.correct), canaries),
-                          ceiling=float(result.ceiling), correct=int(result.correct),
-                          guesses=int(result.guesses_in + result.guesses_out),
-                          passed=not (eps_hat > epsilon * (1 + 1e-9)) and math.isfinite(eps_hat))
+    return score_report(audit.scores, audit.included, control=control, epsilon=epsilon, delta=delta,
+                        epsilon_at=dp_sgd_profile(q, sigma, audit.steps, accountant), guess_fraction=guess_fraction,
+                        noise_multiplier=sigma, sample_rate=q, steps=audit.steps)
+
+
+def run_federated_white_box_audit(cfg, *, silos: int, canaries: int, control: str = "none",
+                                  guess_fraction: float = 0.1, scale: float = 10.0) -> WhiteBoxReport:
+    """The white-box audit inside a federated run of the configuration ``cfg`` (DP-SGD on the silos):
+    the product's round engine samples the silos and plans each round, every sampled silo trains
+    with the product's round (``training.silo_round.train_round``) and its DP-SGD inserts its own
+    ``canaries // silos`` Dirac canaries, each in with its own fair coin; the server releases as in
+    a run. The auditor sees every step's noisy sum in every silo. Each canary belongs to one silo's
+    data, and each silo's DP-SGD is (its ledger's) f-DP with respect to any one of its examples,
+    so the pooled canaries are tested against the weakest silo's profile: max over silos of
+    eps_k(delta), each from that silo's q_k = b/n_k and the steps it actually ran."""
+    from client_app.app import dp_sgd_params, reply_state
+    from server_app.app import engine_for
+    from strategies.engine import RoundReport
+
+    from .. import data as D
+    from .. import model as M
+    from ..training.silo_round import train_round
+
+    if cfg["dp.level"] != "sample" or cfg["dp.noise-at"] != "silo":
+        raise ValueError("the federated white-box audit needs DP-SGD on the silos (dp.level = \"sample\", "
+                         "dp.noise-at = \"silo\")")
+    if silos < 1 or canaries < silos:
+        raise ValueError(f"need at least one silo and one canary per silo, got {silos} silos, {canaries} canaries")
+    tok = M.load_tokenizer(cfg["model.name"])
+    task = D.load_task(cfg)
+    model = M.build_model(cfg, task.num_labels)
+    shards = [D.client_shard(cfg, tok, pid, silos) for pid in range(silos)]
+    engine = engine_for(cfg, M.adapter_state(model), client_sizes=[s.dp_size for s in shards])
+    rng = np.random.default_rng([cfg["seed"], 34036])  # the audit's own randomness, apart from the run's
+    M.set_trainable(model, train_a=engine.replies_a, train_b=True)  # what the method's silos train
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    audits, per = [], canaries // silos
+    for shard in shards:
+        audits.append(GradientCanaries(dirac_coordinates(trainable, per, rng), rng.random(per) < 0.5,
+                                       sample_rate=min(1.0, cfg["train.batch-size"] / shard.dp_size), scale=scale,
+                                       control=control, generator=rng))
+    params = None
+    for rnd in range(1, cfg["num-server-rounds"] + 1):
+        plan = engine.plan_for(rnd, list(range(silos)))
+        config = engine.train_instructions(plan)
+        params = dp_sgd_params(config)
+        updates = []
+        for pid in plan.admitted:
+            M.load_adapter_state(model, engine.global_state)
+            train_round(cfg, model, shards[pid], partition_id=pid, server_round=rnd,
+                        train_lora=config["train-lora"], params=params, canaries=audits[pid])
+            updates.append(engine.update_from_state(reply_state(model, config["train-lora"])))
+        engine.release_updates(RoundReport(rnd, plan.round_type, sampled=len(plan.admitted)), updates)
+    sigma = params.noise_multiplier
+    profiles = [dp_sgd_profile(a.q, sigma, a.steps, cfg["dp.accountant"]) for a in audits if a.steps]
+    return score_report(np.concatenate([a.scores for a in audits]), np.concatenate([a.included for a in audits]),
+                        control=control, epsilon=cfg["dp.epsilon"], delta=cfg["dp.delta"],
+                        epsilon_at=lambda delta: max(p(delta) for p in profiles), guess_fraction=guess_fraction,
+                        noise_multiplier=sigma, sample_rate=max(a.q for a in audits),
+                        steps=max(a.steps for a in audits))
 
 
 def run_controls(audit, control: str, *, as_json: bool, label: str) -> int:
@@ -210,14 +298,17 @@ def run_controls(audit, control: str, *, as_json: bool, label: str) -> int:
 
 
 def main(argv=None) -> int:
-    """``fedpower-audit white-box``: the audit on a configuration's model and first silo, with the
-    positive controls; exit 1 if the correct step is refuted or a broken one is not."""
+    """``fedpower-audit white-box``: the audit inside a federated run of a configuration (its preset,
+    its method's tuned settings and ``--set`` keys) with every positive control; exit 1 if the
+    correct step is refuted or a broken one is not."""
     import argparse
 
     ap = argparse.ArgumentParser(prog="fedpower-audit white-box", description=__doc__.split("\n")[0])
+    ap.add_argument("--preset", default=None, help="a conf/*.toml preset (the run to audit)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                    help="run-config keys (model, task, LoRA, b, L, T, clip, epsilon, delta, accountant)")
-    ap.add_argument("--canaries", type=int, default=4000)
+                    help="run-config keys (model, task, method, LoRA, b, L, T, clip, epsilon, delta, accountant)")
+    ap.add_argument("--silos", type=int, default=3, help="silos of the federated run (each inserts its canaries)")
+    ap.add_argument("--canaries", type=int, default=4000, help="canaries in all, split evenly over the silos")
     ap.add_argument("--guess-fraction", type=float, default=0.1)
     ap.add_argument("--control", choices=CONTROLS + ("all",), default="all",
                     help="a broken step to catch (positive control), none, or all of them in turn")
@@ -225,25 +316,17 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
 
-    from .. import data as D
-    from .. import model as M
-    from ..config import parse_config
+    from ..config import load_preset, parse_config, with_method_preset
     from ..launcher import parse_set
 
     torch.set_num_threads(a.threads)
-    cfg = parse_config(parse_set(a.set))
-    tok = M.load_tokenizer(cfg["model.name"])
-    task = D.load_task(cfg)
+    explicit = parse_set(a.set)
+    overrides, _, _ = with_method_preset({**(load_preset(a.preset) if a.preset else {}), **explicit}, explicit)
+    cfg = parse_config({"dp.noise": "seeded", **overrides})  # the audit replays its run: seeded noise
 
     def audit(control: str) -> WhiteBoxReport:
-        model = M.build_model(cfg, task.num_labels)
-        M.set_trainable(model, train_a=True, train_b=True)
-        shard = D.client_shard(cfg, tok, 0, 1)
-        return run_white_box_audit(
-            model, shard, epsilon=cfg["dp.epsilon"], delta=cfg["dp.delta"], clip=cfg["dp.clip"],
-            batch_size=cfg["train.batch-size"], local_steps=cfg["train.local-steps"],
-            rounds=cfg["num-server-rounds"], canaries=a.canaries, control=control, seed=cfg["seed"],
-            guess_fraction=a.guess_fraction, accountant=cfg["dp.accountant"])
+        return run_federated_white_box_audit(cfg, silos=a.silos, canaries=a.canaries, control=control,
+                                             guess_fraction=a.guess_fraction)
 
     return run_controls(audit, a.control, as_json=a.json, label="white-box DP-SGD audit")
 

@@ -17,10 +17,11 @@ from .loops import TrainStats, round_lr, silo_randomness, train_local
 
 
 def train_round(cfg, model, data, *, partition_id: int, server_round: int, train_lora: str,
-                params: DPSGDParams | None, optimizer_carry: dict | None = None) -> TrainStats:
+                params: DPSGDParams | None, optimizer_carry: dict | None = None, canaries=None) -> TrainStats:
     """Train ``model`` (its adapters already set to the round's global state) on ``data`` for one
     round: DP-SGD with ``params`` when given, else ``train.local-steps`` plain steps. The silo's
-    sampling, dropout and DP-noise streams come from the run's noise source for (silo, round)."""
+    sampling, dropout and DP-noise streams come from the run's noise source for (silo, round).
+    ``canaries``: the federated white-box audit's gradient canaries of this silo (never in a run)."""
     if train_lora not in ("AB", "B"):
         raise ValueError(f"train-lora must be 'AB' or 'B', got {train_lora!r}")
     M.set_trainable(model, train_a="A" in train_lora, train_b=True)
@@ -33,7 +34,7 @@ def train_round(cfg, model, data, *, partition_id: int, server_round: int, train
                                   sampling_generator=streams.sampling, noise_generator=streams.dp_noise,
                                   secure_noise=noise.hardened, device=device, dropout_seed=streams.dropout_seed,
                                   optimizer=cfg["train.optimizer"], optimizer_carry=optimizer_carry,
-                                  adam_eps=cfg["train.adam-eps"])
+                                  adam_eps=cfg["train.adam-eps"], canaries=canaries)
     return train_local(model, data, steps=cfg["train.local-steps"], batch_size=cfg["train.batch-size"], lr=lr,
                        generator=streams.sampling, poisson=(cfg["dp.level"] == "sample"), device=device,
                        dropout_seed=streams.dropout_seed, optimizer=cfg["train.optimizer"],

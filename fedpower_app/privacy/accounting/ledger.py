@@ -114,6 +114,11 @@ class PrivacyLedger:
         """epsilon spent so far under the plan's accountant."""
         return float(self._accountant.epsilon(self.plan.delta))
 
+    def epsilon_at(self, delta: float) -> float:
+        """epsilon spent so far at another ``delta``: the ledger's whole claimed privacy profile
+        (what an audit tests, ``fedpower_app.audit.fdp_bound.profile_rejected``)."""
+        return float(self._accountant.epsilon(delta))
+
     @property
     def rounds_recorded(self) -> int:
         return len(self.history)
