@@ -18,7 +18,7 @@ Methods:
 * FedLoRA and FFA-LoRA (linear delta releases): u_j is a random unit vector over the trained
   coordinates (A, B and the head; FFA-LoRA: B and the head); the score reads the released change
   of those coordinates.
-* FedPower (PowerDP-L, docs/privacy.md §3.2): the server clips each client's *merged* change
+* FedPower (PowerDP-L; the spec's §3.2, docs/privacy.md §10.2): the server clips each client's *merged* change
   dW_i = B_i A_i - B_g A_g, so a canary's direction lives in the merged space. A reply is rank-r
   factors, so canary j moves B only: B_i = B_g + s X_j, A_i = A_g, head + s h_j, i.e.
   dW_i = s X_j A_g, with X_j (m x r per module) and h_j drawn once, and s set each round so that
