@@ -36,7 +36,23 @@ from fedpower_app.training.silo_round import train_round
 from fedpower_app.privacy.accounting.silo import SILO_DEFAULT_DELTA, SiloLedger, SiloRefusal, paid_params, silo_gate
 from fedpower_app.training import evaluate as evaluate_model
 
-app = ClientApp()
+RUNTIME_RECORD = "runtime"  # reply record of where the ClientApp ran (issue #35); not data, not a metric of it
+
+
+def _ray_node_mod(msg: Message, context: Context, call_next) -> Message:
+    """Under the Ray simulation engine, every reply carries the id of the Ray node its ClientApp ran
+    on: ``reply.content["runtime"]["ray-node-id"]`` (a ConfigRecord: the id is a hex string, which a
+    MetricRecord cannot hold). Absent outside Ray (deployment, the in-process grid)."""
+    import sys
+
+    reply = call_next(msg, context)
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized() and reply.has_content():
+        reply.content[RUNTIME_RECORD] = ConfigRecord({"ray-node-id": ray.get_runtime_context().get_node_id()})
+    return reply
+
+
+app = ClientApp(mods=[_ray_node_mod])
 log = logging.getLogger("fedpower")
 
 
@@ -49,11 +65,10 @@ def _setup(context: Context):
     cfg = _config(tuple(sorted(context.run_config.items())))
     local_dir = context.node_config.get("data-dir")
     if local_dir:
-        # A real silo with its own files (--node-config 'data-dir="/data/sst2"'): the whole local
-        # training split is this silo's shard.
-        cfg = _config(tuple(sorted({**cfg.values, "task.data-dir": str(local_dir)}.items())))
-        pid, num = 0, 1
-        task = D.load_task(cfg)
+        # A real silo with its own files (--node-config 'data-dir="/data/sst2" silo-id=0'): the whole
+        # local training split is this silo's shard (num = OWN_DATA); bad files fail with one line.
+        cfg, task = D.silo.own_data(cfg, local_dir)
+        pid, num = D.silo.silo_id(context.node_config), D.silo.OWN_DATA
         return cfg, pid, num, task, M.cached_model(cfg, task.num_labels), M.load_tokenizer(cfg["model.name"])
     try:
         pid = int(context.node_config["partition-id"])
@@ -71,6 +86,8 @@ def _setup(context: Context):
 
 @lru_cache(maxsize=8)
 def _shard(cfg: RunConfig, pid: int, num: int):
+    if num == D.silo.OWN_DATA:  # a silo's own data-dir: all of it
+        return D.silo.silo_shard(cfg, M.load_tokenizer(cfg["model.name"]))
     return D.client_shard(cfg, M.load_tokenizer(cfg["model.name"]), pid, num)
 
 
@@ -97,6 +114,8 @@ def _training_split(cfg: RunConfig, pid: int, num: int, model):
 
 @lru_cache(maxsize=8)
 def _eval_shard(cfg: RunConfig, pid: int, num: int):
+    if num == D.silo.OWN_DATA:  # a silo's own evaluation split, if it has one
+        return D.silo.silo_eval_split(cfg, M.load_tokenizer(cfg["model.name"]))
     split = next(iter(D.eval_splits(cfg, M.load_tokenizer(cfg["model.name"])).values()))
     idx = torch.tensor(D.partition_indices(len(split), num, pid, cfg["seed"]), dtype=torch.long)
     return D.TokenizedSplit(split.input_ids[idx], split.attention_mask[idx], split.labels[idx],

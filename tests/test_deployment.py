@@ -259,3 +259,152 @@ def test_a_killed_supernode_is_waited_for_only_until_the_timeout_and_rejoins(tmp
                 p.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 p.kill()
+
+
+# Installed in every Python process of the server side (SuperLink, its SuperExec, the ServerApp) via
+# PYTHONPATH: an audit hook that records any open / listdir / scandir of a path under a silo's directory,
+# a "started" line per process, and a "SEEN" line per file opened in the server's own folder (so the
+# test knows the hook was live in the ServerApp, the process that reads data).
+SERVER_AUDIT = '''
+import os, sys
+_ROOTS = [r for r in os.environ.get("FEDPOWER_AUDIT_FORBIDDEN", "").split(os.pathsep) if r]
+_WATCH = [r for r in os.environ.get("FEDPOWER_AUDIT_WATCH", "").split(os.pathsep) if r]
+_LOG = os.environ.get("FEDPOWER_AUDIT_LOG")
+if _ROOTS and _LOG:
+    _busy = [False]
+
+    def _write(line):
+        _busy[0] = True
+        try:
+            with open(_LOG, "a") as fh:
+                fh.write(line + "\\n")
+        finally:
+            _busy[0] = False
+
+    def _hook(event, args):
+        if _busy[0] or event not in ("open", "os.listdir", "os.scandir") or not args:
+            return
+        path = args[0]
+        if path is None or isinstance(path, int):
+            return
+        try:
+            path = os.path.abspath(os.fsdecode(os.fspath(path)))
+        except TypeError:
+            return
+        if any(path == root or path.startswith(root + os.sep) for root in _ROOTS):
+            _write(f"READ {os.getpid()} {event} {path} {sys.argv[0]}")
+        elif event == "open" and any(path.startswith(root + os.sep) for root in _WATCH):
+            _write(f"SEEN {os.getpid()} {event} {path}")
+
+    _write(f"started {os.getpid()} {' '.join(sys.argv[:2])}")
+    sys.addaudithook(_hook)
+'''
+
+
+def test_silos_with_their_own_data(tmp_path):
+    """Issue #35 item 3, the docs/deployment.md recipe on localhost: a SuperLink with TLS and SuperNode
+    authentication, three registered SuperNodes, each with its own data directory (its own SST-2
+    train.tsv of its own size, one label-skewed; node config data-dir, silo-id, ledger-file,
+    dp-max-epsilon), DP-SGD on the silos. The run completes; every silo's ledger is on its own disk
+    and its epsilon follows its own n_k; the server's config names only its own evaluation folder,
+    and no server-side process (SuperLink, SuperExec, ServerApp) ever opens or lists a path under
+    the silos' directories (an audit hook in each of them)."""
+    from fedpower_app.credentials import make_credentials
+    from tests.test_silo_data import SIZES, check_server_view, check_silo_ledgers, make_silos
+
+    t0 = time.time()
+    sites = tmp_path / "sites"
+    silos, server_dir = make_silos(sites)
+    creds = tmp_path / "creds"
+    names = [f"silo{k}" for k in range(3)]
+    make_credentials(creds, hosts=["localhost", "127.0.0.1"], supernodes=names)
+    home = tmp_path / "flwr-home"
+    home.mkdir()
+    port = free_port()
+    (home / "config.toml").write_text(
+        f'[superlink]\ndefault = "prod"\n\n[superlink.prod]\naddress = "127.0.0.1:{port}"\n'
+        f'root-certificates = "{creds / "ca.crt"}"\n')
+    env = flwr_env(home)
+    audit_dir, audit_log = tmp_path / "server-audit", tmp_path / "server-audit.log"
+    audit_dir.mkdir()
+    (audit_dir / "sitecustomize.py").write_text(SERVER_AUDIT)
+    server_env = {**env, "PYTHONPATH": os.pathsep.join(filter(None, [str(audit_dir), env.get("PYTHONPATH")])),
+                  "FEDPOWER_AUDIT_FORBIDDEN": os.pathsep.join(str(s.resolve()) for s in silos),
+                  "FEDPOWER_AUDIT_WATCH": str(server_dir.resolve()),
+                  "FEDPOWER_AUDIT_LOG": str(audit_log), "FEDPOWER_CACHE": str(tmp_path / "server-cache")}
+    # the hook sees a read when there is one (positive control, in a throwaway process)
+    probe_log = tmp_path / "probe.log"
+    subprocess.run([sys.executable, "-c", f"open({str(silos[0] / 'SST-2' / 'train.tsv')!r}).read()"],
+                   env={**server_env, "FEDPOWER_AUDIT_LOG": str(probe_log)}, check=True, timeout=60)
+    assert "READ" in probe_log.read_text() and "train.tsv" in probe_log.read_text()
+    logs = {name: open(tmp_path / f"{name}.log", "w") for name in ("superlink", *names)}
+    procs = {}
+    try:
+        procs["superlink"] = _start_superlink(server_env, port, creds=creds, log=logs["superlink"])
+        _wait_healthy(port, cafile=creds / "ca.crt")
+        for name in names:
+            reg = subprocess.run([str(BIN / "flwr"), "supernode", "register", str(creds / "keys" / f"{name}.pub"), "prod"],
+                                 env=env, capture_output=True, text=True, timeout=120)
+            assert reg.returncode == 0 and "registered successfully" in reg.stdout, reg.stdout + reg.stderr
+        for k, (name, silo) in enumerate(zip(names, silos)):
+            node_config = (f"data-dir='{silo}' silo-id={k} ledger-file='{silo / 'ledger.json'}' dp-max-epsilon=8")
+            silo_env = {**env, "FEDPOWER_CACHE": str(silo / "cache")}  # tokenised rows stay on the silo too
+            procs[name] = subprocess.Popen(
+                [str(BIN / "flower-supernode"), "--superlink", f"127.0.0.1:{port}", "--port", str(free_port()),
+                 "--root-certificates", str(creds / "ca.crt"), "--auth-supernode-private-key", str(creds / "keys" / name),
+                 "--node-config", node_config, "--max-retries", "3", "--max-wait-time", "30"],
+                env=silo_env, stdout=logs[name], stderr=subprocess.STDOUT)
+        out = tmp_path / "outputs"
+        run_config = {**load_preset(PROJECT_ROOT / "conf" / "tiny.toml"), "output-dir": str(out), "run-name": "silos",
+                      "num-server-rounds": 2, "strategy.client-rate": 1.0, "strategy.min-nodes": 3,
+                      "task.name": "sst2", "task.data-dir": str(server_dir), "dp.level": "sample",
+                      "dp.noise-at": "silo", "dp.epsilon": 8.0, "eval.fraction-clients": 0.0}
+        overrides = run_config_arg(run_config)
+        assert str(sites / "silo-") not in overrides  # the run config names no silo's directory
+        run = subprocess.run([str(BIN / "flwr"), "run", str(PROJECT_ROOT), "prod", "--stream", "--run-config", overrides],
+                             env=env, capture_output=True, text=True, timeout=1500)
+        ls = subprocess.run([str(BIN / "flwr"), "ls", "prod", "--format", "json"], env=env, capture_output=True,
+                            text=True, timeout=60)
+        runs = json.loads(ls.stdout)["runs"]
+        silo_logs = {name: (tmp_path / f"{name}.log").read_text()[-2000:] for name in names}
+        assert runs and runs[0]["status"] == "finished:completed", (run.stdout[-3000:] + run.stderr[-2000:], silo_logs)
+        results = json.loads((out / "silos" / "results.json").read_text())
+        assert results["status"] == "completed" and results["clients"]["dataset_sizes"] == sorted(SIZES)
+        assert [r["sampled"] for r in results["rounds"]] == [3, 3]
+        assert results["totals"]["dropped_replies"] == 0 and results["totals"]["missing_replies"] == 0
+        # the server's side: its config names its own evaluation folder only, and it evaluated on it
+        assert results["config"]["task.data-dir"] == str(server_dir)
+        for text in (json.dumps(results), run.stdout, run.stderr, (tmp_path / "superlink.log").read_text()):
+            assert str(sites / "silo-") not in text
+        audit = audit_log.read_text().splitlines()
+        serverapp = [line.split()[1] for line in audit if line.startswith("started") and "flwr-serverapp" in line]
+        assert serverapp, audit[:20]
+        assert any(line.startswith(f"SEEN {pid} open ") and line.endswith("dev.tsv") for pid in serverapp
+                   for line in audit), audit[:20]  # the hook was live where the server read its own data
+        reads = [line for line in audit if line.startswith("READ")]
+        assert not reads, reads[:10]
+        # the silos' side: each read its own files, kept its tokens and its ledger on its own disk
+        for silo in silos:
+            assert list((silo / "cache").glob("tok-*.pt")), silo
+        rows = check_silo_ledgers(silos, rounds=2, local_steps=run_config["train.local-steps"],
+                                  batch_size=run_config["train.batch-size"])
+        check_server_view(results, rows)
+        assert results["totals"]["final_epsilon"] == pytest.approx(rows[0]["epsilon"])
+        nodes = subprocess.run([str(BIN / "flwr"), "supernode", "ls", "prod", "--format", "json"], env=env,
+                               capture_output=True, text=True, timeout=60)
+        assert len(json.loads(nodes.stdout)["nodes"]) == 3, nodes.stdout
+        print(f"\nsilos with their own data: n_k {SIZES}, per-silo eps "
+              f"{[round(r['epsilon'], 3) for r in rows]} (q {[round(r['q'], 4) for r in rows]}, sigma "
+              f"{rows[0]['sigma']:.4f}, {rows[0]['rounds']} rounds), final accuracy "
+              f"{results['totals'].get('final_accuracy')}, wall {time.time() - t0:.0f} s")
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.terminate()
+        for p in procs.values():
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        for fh in logs.values():
+            fh.close()

@@ -5,6 +5,7 @@
 * ``glue``: SST-2, QNLI, MNLI and QQP from local files or the Hugging Face hub (the loaders; the
   task specs are in ``glue_tasks``, the file readers in ``glue_files``);
 * ``synthetic``: the generated offline task;
+* ``silo``: a deployed silo's own directory (node config ``data-dir``), read with one-line errors;
 * ``types``: ``TextExamples`` and ``TaskData``.
 
 ``from fedpower_app import data as D; D.client_shard(...)`` reaches the pipeline's names. They are
@@ -15,5 +16,5 @@ from __future__ import annotations
 
 from ..lazy import forward_to
 
-__getattr__ = forward_to(__name__, "pipeline", ("pipeline", "glue", "glue_tasks", "glue_files", "synthetic", "types"))
+__getattr__ = forward_to(__name__, "pipeline", ("pipeline", "glue", "glue_tasks", "glue_files", "synthetic", "silo", "types"))
 
