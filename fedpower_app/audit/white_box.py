@@ -280,12 +280,24 @@ def run_federated_white_box_audit(cfg, *, silos: int, canaries: int, control: st
                         steps=max(a.steps for a in audits))
 
 
+#: What each audit's adversary sees (printed before its reports).
+THREAT_MODELS = {
+    "white-box DP-SGD audit": "every DP-SGD step's noisy clipped sum in every silo (the DP-SGD guarantee covers "
+                              "them all; the released adapters are post-processing)",
+    "client-level canary audit": "every round's released global adapters (client level: add or remove one client)",
+}
+VERDICT = ("verdict: the one-run f-DP test (Mahloujifar et al. 2025) of the accountant's whole profile eps(delta), "
+           "95 %; beside it Steinke's (eps, delta) bound eps_hat and the Gaussian form mu_hat, 95 %")
+
+
 def run_controls(audit, control: str, *, as_json: bool, label: str) -> int:
     """Run ``audit(control)`` for one control or all of them (``"all"``), print each report, and
     return 1 if the correct step is refuted or a broken one is not (its audit is the check)."""
     import json
     import sys
 
+    if not as_json:
+        print(f"{label}: the adversary sees {THREAT_MODELS.get(label, 'every release')}; {VERDICT}", flush=True)
     failed = False
     for c in (CONTROLS if control == "all" else (control,)):
         report = audit(c)
