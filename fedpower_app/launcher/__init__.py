@@ -5,14 +5,17 @@
 * ``superlink``: the local SuperLink this process starts and stops;
 * ``processes``: stopping process trees by PID, and reaping orphans;
 * ``console``: what the console shows of a run;
-* ``cli``: the command line (validation, resume, the run).
+* ``cli``: the command line (validation, resume, the run);
+* ``ray_cluster``: joining an existing Ray cluster (``--ray-address``), and a multi-node cluster on
+  one host for rehearsals and tests;
+* ``measure``: a command's wall time, rounds and process-tree memory (BENCHMARKS.md).
 
 Every public name is re-exported here (``from fedpower_app import launcher as L; L.run_flwr``).
 """
 
 from __future__ import annotations
 
-from . import cli, console, flwr_cli, flwr_run, processes, superlink  # noqa: F401 (the submodules)
+from . import cli, console, flwr_cli, flwr_run, processes, ray_cluster, superlink  # noqa: F401 (the submodules)
 from .flwr_cli import (  # noqa: F401
     CONNECTION,
     LauncherError,
@@ -81,8 +84,19 @@ from .flwr_run import (  # noqa: F401
     run_flwr,
     run_status,
 )
+from .ray_cluster import (  # noqa: F401
+    LocalRayCluster,
+    check_ray_resources,
+    clientapp_placement,
+    cluster_nodes,
+    describe_cluster,
+    ray_address_from,
+    ray_env,
+    resolve_ray_address,
+)
 from .cli import (  # noqa: F401
     _shown_path,
+    check_ray,
     check_data,
     check_launch,
     main,

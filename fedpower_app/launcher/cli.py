@@ -60,6 +60,13 @@ root logger, a traceback repeated verbatim); the full output is still returned i
 :class:`RunOutcome`. A failed run ends with one ``fedpower-run: error`` line naming the run's
 status and the exception that caused it. ``--verbose`` shows everything, with Flower's DEBUG log.
 
+Ray: the simulation runs on a private Ray instance (``RAY_ADDRESS=local`` in the SuperLink's
+environment, so a cluster that someone's ``ray start`` left on the machine is never joined by
+accident), of ``--ray-cpus``/``--ray-gpus`` when given. ``--ray-address HOST:PORT`` (or ``RAY_ADDRESS``)
+joins an existing, possibly multi-node, cluster instead: checked to answer and to fit a ClientApp
+before anything starts; ``--ray-cpus``/``--ray-gpus`` are then refused, since Ray refuses resource
+arguments when connecting (``ray_cluster``; BENCHMARKS.md, "Multi-node Ray simulation").
+
 Exit codes: 0 run completed, 1 run failed (or stopped), 2 bad arguments or configuration, or the
 SuperLink could not be started, 130 interrupted (Ctrl-C, SIGTERM, SIGHUP).
 """
@@ -83,6 +90,7 @@ from ..runs.spec import default_run_name
 from .flwr_cli import _home
 from .processes import _DeferSignals, _Terminated, _become_subreaper, _on_signal, _stop_orphans
 from .flwr_run import run_flwr
+from .ray_cluster import check_ray_resources, describe_cluster, ray_address_from, resolve_ray_address
 
 
 def _shown_path(path: Path) -> str:
@@ -199,6 +207,31 @@ def check_data(cfg: RunConfig, num_supernodes: int) -> None:
         raise ConfigError(problem)
 
 
+def check_ray(args: argparse.Namespace, backend: str) -> str | None:
+    """The Ray cluster to join (``--ray-address``, else ``RAY_ADDRESS``), checked before anything
+    starts: it answers, it has a node that fits a ClientApp, and no resource argument that Ray refuses
+    on connect comes with it. None: a private Ray instance. Raises ConfigError."""
+    if backend == "inprocess":
+        given = [f"--{k.replace('_', '-')}" for k in ("ray_address", "ray_cpus", "ray_gpus")
+                 if getattr(args, k) is not None]
+        if given:
+            raise ConfigError(f"{', '.join(given)}: the in-process backend runs without Ray; leave "
+                              f"{'it' if len(given) == 1 else 'them'} out or use --backend flwr")
+        return None
+    address = ray_address_from(args.ray_address)
+    check_ray_resources(address, args.ray_cpus, args.ray_gpus)
+    address = resolve_ray_address(address)
+    if address is not None:
+        try:
+            line = describe_cluster(address, args.cpus_per_client, args.gpus_per_client)
+        except ConfigError:
+            raise
+        except Exception as exc:  # the GCS answered the probe but not the node query
+            raise ConfigError(f"--ray-address {address}: could not read the cluster's nodes ({exc})") from None
+        print(f"fedpower-run: {line}", flush=True)
+    return address
+
+
 def _run_inprocess(spec: RunSpec, threads: int | None) -> int:
     """The in-process backend: the run in this process; exit 0 when it completed."""
     import time as _time
@@ -236,6 +269,15 @@ def main(argv: list[str] | None = None) -> int:
                    help="flwr: a Flower simulation through a SuperLink (default); inprocess: the real ServerApp and "
                         "ClientApp in this process, one model for every virtual silo (no Ray, no transport)")
     p.add_argument("--threads", type=int, default=None, help="inprocess backend: torch threads")
+    p.add_argument("--ray-address", default=None, metavar="HOST:PORT",
+                   help="run the ClientApps on an existing Ray cluster: its head's address (GCS port, 6379 for "
+                        "`ray start --head`), or 'auto' for the one `ray start` started on this host (default: "
+                        "$RAY_ADDRESS; without either, a private Ray instance). The cluster's nodes bring their own "
+                        "resources (`ray start --num-cpus/--num-gpus`); see BENCHMARKS.md, 'Multi-node Ray simulation'")
+    p.add_argument("--ray-cpus", type=int, default=None, metavar="N",
+                   help="CPUs of the private Ray instance (default: all of this machine's); refused with --ray-address")
+    p.add_argument("--ray-gpus", type=int, default=None, metavar="N",
+                   help="GPUs of the private Ray instance (default: all visible); refused with --ray-address")
     p.add_argument("--flwr-home", default=os.environ.get("FLWR_HOME"), help="Flower home (default ~/.flwr)")
     p.add_argument("--verbose", action="store_true",
                    help="show all output (Flower DEBUG log, Ray and library warnings, progress bars)")
@@ -278,6 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = check_launch(overrides, app_dir=args.app, num_supernodes=args.supernodes,
                            cpus_per_client=args.cpus_per_client, gpus_per_client=args.gpus_per_client,
                            flwr_home=args.flwr_home)
+        ray_address = check_ray(args, spec.backend)
         if not args.resume:  # name the run now, so that its spec is in its directory before it starts
             if not cfg["run-name"]:
                 overrides["run-name"] = spec.overrides["run-name"] = default_run_name(cfg)
@@ -300,7 +343,8 @@ def main(argv: list[str] | None = None) -> int:
             return _run_inprocess(spec, args.threads)
         outcome = run_flwr(args.app, overrides, num_supernodes=args.supernodes,
                            cpus_per_client=args.cpus_per_client, gpus_per_client=args.gpus_per_client,
-                           flwr_home=args.flwr_home, verbose=args.verbose, keep_superlink=False)
+                           flwr_home=args.flwr_home, verbose=args.verbose, keep_superlink=False,
+                           ray_address=ray_address or "local", ray_cpus=args.ray_cpus, ray_gpus=args.ray_gpus)
     except KeyboardInterrupt as exc:
         what = "terminated" if isinstance(exc, _Terminated) else "interrupted"
         print(f"\nfedpower-run: {what}; the SuperLink and every process it started were stopped", file=sys.stderr)

@@ -18,6 +18,7 @@ from ..config import PROJECT_ROOT, load_preset
 
 from .flwr_cli import CONNECTION, _flwr, _home, _num, run_config_arg
 from .superlink import LocalSuperLink, _kept_superlink
+from .ray_cluster import check_ray_resources, ray_address_from
 from .console import ConsoleFilter, last_exception_line
 
 
@@ -80,6 +81,9 @@ def run_flwr(
     timeout: float | None = None,
     verbose: bool = False,
     keep_superlink: bool = True,
+    ray_address: str | None = None,
+    ray_cpus: int | None = None,
+    ray_gpus: int | None = None,
 ) -> RunOutcome:
     """Run the app with ``flwr run --stream`` on a SuperLink this process owns; return its real status.
 
@@ -89,21 +93,31 @@ def run_flwr(
     :func:`stop_local_superlink` or at exit; otherwise it is stopped (by PID, with everything it
     started) before returning - also when this raises or is interrupted. ``echo`` prints the output
     through :class:`ConsoleFilter` (everything with ``verbose``); ``RunOutcome.output`` is unfiltered.
+
+    Ray (``ray_cluster``): ``ray_address`` (default: ``RAY_ADDRESS`` from the environment; ``"local"``:
+    none) is an existing cluster the simulation joins; without one it runs on a private Ray instance,
+    of ``ray_cpus``/``ray_gpus`` when given (Flower's ``init-args-num-cpus/num-gpus``; refused with
+    a cluster address, as Ray refuses them on connect).
     """
-    cmd = [_flwr(), "run", str(app_dir), CONNECTION, "--stream",
-           "--federation-config",
-           f"num-supernodes={num_supernodes} client-resources-num-cpus={_num(cpus_per_client)} "
-           f"client-resources-num-gpus={_num(gpus_per_client)}"]
+    ray_address = ray_address_from(ray_address)
+    check_ray_resources(ray_address, ray_cpus, ray_gpus)
+    federation = (f"num-supernodes={num_supernodes} client-resources-num-cpus={_num(cpus_per_client)} "
+                  f"client-resources-num-gpus={_num(gpus_per_client)}")
+    if ray_cpus is not None:
+        federation += f" init-args-num-cpus={_num(ray_cpus)}"
+    if ray_gpus is not None:
+        federation += f" init-args-num-gpus={_num(ray_gpus)}"
+    cmd = [_flwr(), "run", str(app_dir), CONNECTION, "--stream", "--federation-config", federation]
     # flwr refuses a TOML file together with key=value pairs, so a preset is merged into the pairs.
     merged = {**(load_preset(preset) if preset else {}), **(overrides or {})}
     if merged:
         cmd += ["--run-config", run_config_arg(merged)]
     t0 = time.time()
-    link = _kept_superlink(_home(flwr_home), superlink_port) if keep_superlink else None
+    link = _kept_superlink(_home(flwr_home), superlink_port, ray_address) if keep_superlink else None
     started_here = link is None
     try:
         if link is None:
-            link = LocalSuperLink(flwr_home, superlink_port, verbose=verbose).start()
+            link = LocalSuperLink(flwr_home, superlink_port, verbose=verbose, ray_address=ray_address).start()
             if echo and verbose:
                 print(f"fedpower-run: SuperLink pid {link.pid} on {link.address} (log {link.log_path})", flush=True)
         run_id, returncode, output, timed_out = _stream(cmd, link.cli_env, echo=echo, verbose=verbose,

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from .flwr_cli import CONNECTION, LauncherError, _home, _port_is_free, _superlink_exe, default_superlink_port, flwr_env, free_port, output_env
 from .processes import _DeferSignals, _die_with_parent, terminate_tree
+from .ray_cluster import ray_env
 
 
 SUPERLINK_START_TIMEOUT = 60.0
@@ -51,8 +52,12 @@ def _health(port: int) -> bool:
 class LocalSuperLink:
     """A simulation SuperLink owned by this process (see the module docstring)."""
 
-    def __init__(self, flwr_home: str | Path | None, port: int | None = None, *, verbose: bool = False) -> None:
+    def __init__(self, flwr_home: str | Path | None, port: int | None = None, *, verbose: bool = False,
+                 ray_address: str | None = None) -> None:
         self.home = _home(flwr_home)
+        # The Ray cluster the simulation joins (RAY_ADDRESS in the SuperLink's environment, inherited by
+        # flwr-simulation); None: a private Ray instance (ray_cluster.ray_env).
+        self.ray_address = ray_address
         self.requested_port = port
         # With an explicit home and no port: the port flwr_env(home) exports, when it is free, so
         # `flwr` calls made with flwr_env(home) reach this SuperLink while it runs.
@@ -105,7 +110,7 @@ class LocalSuperLink:
         return "address already in use" in text.lower()
 
     def _spawn(self, timeout: float) -> None:
-        self.env = output_env(flwr_env(self.home, self.port), self.verbose)
+        self.env = {**output_env(flwr_env(self.home, self.port), self.verbose), **ray_env(self.ray_address)}
         self.run_dir = self.home / "fedpower-run" / f"{os.getpid()}-{self.port}"
         self.run_dir.mkdir(parents=True, exist_ok=True)
         cli_home = self.run_dir / "cli"
@@ -175,9 +180,10 @@ def _stop_all_at_exit() -> None:
         link.stop()
 
 
-def _kept_superlink(home: Path, port: int | None) -> LocalSuperLink | None:
+def _kept_superlink(home: Path, port: int | None, ray_address: str | None = None) -> LocalSuperLink | None:
     for link in _STARTED:
-        if link.home == home and (port is None or port in (link.port, link.requested_port)) and link.alive():
+        if (link.home == home and (port is None or port in (link.port, link.requested_port))
+                and link.ray_address == ray_address and link.alive()):
             return link
     return None
 
