@@ -61,7 +61,10 @@ def sample_tree(root_pid: int, cpu: dict | None = None) -> tuple[int, int, int, 
     """(RSS sum, PSS sum, number of processes, RSS by role) of ``root_pid`` and its descendants.
     ``cpu``, if given, is updated with each process's CPU seconds so far ({pid: (role, seconds,
     {thread id: seconds} for the simulation process)})."""
-    import psutil
+    try:
+        import psutil
+    except ImportError as exc:  # a measuring tool's own dependency, not the product's
+        raise SystemExit("fedpower_app.launcher.measure needs psutil: pip install -e '.[bench]'") from exc
 
     try:
         root = psutil.Process(root_pid)
