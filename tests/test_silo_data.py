@@ -139,9 +139,14 @@ def _query(run_config: dict, node_config: dict) -> Message:
     return grid.pull_messages(grid.push_messages([msg]))[0]
 
 
-def test_the_silo_answers_a_bad_data_dir_with_its_one_line_reason(tmp_path, tiny_model_dir, caplog):
+def test_the_silo_answers_a_bad_data_dir_with_its_one_line_reason(tmp_path, tiny_model_dir, caplog, monkeypatch):
     """Through the ClientApp: the reply the server gets carries the silo's one-line reason, and the
     silo logs that line itself (before Flower's own traceback). A good directory answers its n_k."""
+    import logging
+
+    # An earlier test in this process may have run setup_logging, which stops "fedpower" records
+    # from reaching the root logger (where caplog listens).
+    monkeypatch.setattr(logging.getLogger("fedpower"), "propagate", True)
     run_config = parse_config({"task.name": "sst2", "model.name": tiny_model_dir, "task.cache-dir": str(tmp_path / "cache"),
                                "task.max-length": 16}).to_dict()
     cases = bad_input_cases(tmp_path)
