@@ -331,6 +331,9 @@ def main(argv=None) -> int:
     from ..config import load_preset, parse_config, with_method_preset
     from ..launcher import parse_set
 
+    if a.silos < 1 or a.canaries < a.silos:
+        ap.error(f"need --silos >= 1 and at least one canary per silo (--canaries >= --silos), got "
+                 f"{a.silos} silos and {a.canaries} canaries")
     torch.set_num_threads(a.threads)
     explicit = parse_set(a.set)
     overrides, _, _ = with_method_preset({**(load_preset(a.preset) if a.preset else {}), **explicit}, explicit)
