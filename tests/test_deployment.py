@@ -28,6 +28,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _stop_all(procs: dict, logs: dict) -> None:
+    """Stop every process a deployment test started (terminate, then kill after 20 s) and close
+    its log files."""
+    for p in procs.values():
+        if p.poll() is None:
+            p.terminate()
+    for p in procs.values():
+        try:
+            p.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            p.kill()
+    for fh in logs.values():
+        fh.close()
+
+
 def test_superlink_and_two_supernodes(tmp_path):
     home = tmp_path / "flwr-home"
     home.mkdir()
@@ -172,16 +187,7 @@ def test_tls_and_supernode_authentication(tmp_path):
         listed = json.loads(nodes.stdout)["nodes"]
         assert len(listed) == 2, nodes.stdout  # the two registered keys, never the rogue one
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.terminate()
-        for p in procs.values():
-            try:
-                p.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                p.kill()
-        for fh in logs.values():
-            fh.close()
+        _stop_all(procs, logs)
 
 
 # Long enough that a healthy silo's round finishes within it on a loaded 2-core machine (CI ran this
@@ -398,13 +404,4 @@ def test_silos_with_their_own_data(tmp_path):
               f"{rows[0]['sigma']:.4f}, {rows[0]['rounds']} rounds), final accuracy "
               f"{results['totals'].get('final_accuracy')}, wall {time.time() - t0:.0f} s")
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.terminate()
-        for p in procs.values():
-            try:
-                p.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                p.kill()
-        for fh in logs.values():
-            fh.close()
+        _stop_all(procs, logs)
