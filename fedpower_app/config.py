@@ -87,6 +87,7 @@ SCHEMA: dict[str, tuple[type, Callable[[Any], str | None] | None]] = {
     "train.optimizer": (str, _in(LOCAL_OPTIMIZERS)),
     "train.optimizer-state": (str, _in(OPTIMIZER_STATES)),
     "train.adam-eps": (float, _pos),
+    "train.head-lr-scale": (float, _pos),
     "train.cache-frozen": (bool, None),
     "eval.batch-size": (int, _min1),
     "eval.every": (int, _min1),

@@ -154,7 +154,8 @@ def main(argv=None) -> int:
             lr = round_lr(cfg["train.lr"], cfg["train.lr-schedule"], r, T)
             st = dp_sgd_train_local(model, train, params=params, lr=lr, sampling_generator=sampling,
                                     noise_generator=noise, device=cpu, optimizer=cfg["train.optimizer"],
-                                    optimizer_carry=carry, adam_eps=cfg["train.adam-eps"])
+                                    optimizer_carry=carry, adam_eps=cfg["train.adam-eps"],
+                                    head_lr_scale=cfg["train.head-lr-scale"])
             if r % max(1, a.eval_every) == 0 or r == T:
                 do_eval({"round": r, "lr": round(lr, 6), "loss": round(st.loss, 4)})
     else:

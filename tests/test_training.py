@@ -122,3 +122,54 @@ def test_local_optimizer_choice_sets_the_step(kind):
     step = model.lin.weight.detach() - w0
     expected = -0.5 * grad if kind == "sgd" else -0.5 * torch.sign(grad)
     assert torch.allclose(step, expected, atol=1e-5 if kind == "sgd" else 1e-3)
+
+
+class _BodyAndHead(torch.nn.Module):
+    """A body and a head named as PEFT names a trained head (``modules_to_save``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Linear(8, 8, bias=False)
+        self.head = torch.nn.ModuleDict({"modules_to_save": torch.nn.Linear(8, 2)})
+        with torch.no_grad():
+            self.body.weight.copy_(torch.eye(8))
+            self.head["modules_to_save"].weight.copy_(torch.linspace(-1, 1, 16).reshape(2, 8))
+
+    def forward(self, x, labels):
+        logits = self.head["modules_to_save"](self.body(x))
+        return type("Out", (), {"loss": torch.nn.functional.cross_entropy(logits, labels), "logits": logits})()
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.1])
+def test_head_lr_scale_gives_the_head_its_own_rate(scale):
+    """train.head-lr-scale: a fresh Adam's first step moves the head's coordinates by lr·scale and
+    the body's by lr (sign-like steps); scale 1 is the old single-group optimizer."""
+    from fedpower_app.training import train_local
+
+    model = _BodyAndHead()
+    body0, head0 = model.body.weight.detach().clone(), model.head["modules_to_save"].weight.detach().clone()
+    train_local(model, _Split(n=8), steps=1, batch_size=8, lr=0.01, generator=torch.Generator().manual_seed(0),
+                poisson=False, device=torch.device("cpu"), head_lr_scale=scale)
+    body_step = (model.body.weight.detach() - body0).abs()
+    head_step = (model.head["modules_to_save"].weight.detach() - head0).abs()
+    assert body_step.max() == pytest.approx(0.01, rel=1e-3)
+    assert head_step.max() == pytest.approx(0.01 * scale, rel=1e-3)
+
+
+def test_head_lr_scale_reaches_dp_sgd_and_survives_a_carried_state():
+    """DP-SGD builds its optimizer from the same groups; a state carried to the next round keeps
+    the head's scale under the new round's rate."""
+    from fedpower_app.training.dp_sgd import DPSGDParams, dp_sgd_train_local
+
+    model = _BodyAndHead()
+    params = DPSGDParams(noise_multiplier=0.0, clip=1.0, batch_size=8, local_steps=1)
+    carry: dict = {}
+    for lr in (0.01, 0.004):
+        body0 = model.body.weight.detach().clone()
+        head0 = model.head["modules_to_save"].weight.detach().clone()
+        dp_sgd_train_local(model, _Split(n=8), params=params, lr=lr, sampling_generator=torch.Generator().manual_seed(0),
+                           noise_generator=torch.Generator().manual_seed(1), device=torch.device("cpu"),
+                           optimizer_carry=carry, head_lr_scale=0.25)
+        assert (model.head["modules_to_save"].weight.detach() - head0).abs().max() <= 0.25 * lr * 1.001
+        assert (model.body.weight.detach() - body0).abs().max() > 0.5 * lr
+    assert [g["lr"] for g in carry["state"]["param_groups"]] == pytest.approx([0.004, 0.001])

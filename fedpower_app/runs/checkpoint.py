@@ -46,7 +46,8 @@ RESUMABLE_KEYS = ("resume", "strategy.round-timeout", "eval.batch-size")
 # before it existed. At that value a key is left out of the fingerprint, so those checkpoints resume.
 ADDED_KEYS = {"task.dirichlet-alpha": 0.0, "dp.diagnostics": "off", "task.validation-rows": 0,
               "lora.top-layers": 0, "train.cache-frozen": False,
-              "train.optimizer-state": "round", "model.pooling": "pooler"}
+              "train.optimizer-state": "round", "model.pooling": "pooler", "train.adam-eps": 1e-8,
+              "train.head-lr-scale": 1.0}
 
 
 def _fingerprinted(config: dict[str, Any]) -> dict[str, Any]:

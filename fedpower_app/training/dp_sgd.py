@@ -34,7 +34,7 @@ from ..data import TokenizedSplit
 from .frozen_prefix import forward_context
 from ..model import is_head_parameter
 from .loops import (PHYSICAL_BATCH_SIZE, TrainStats, _autocast, _seeded_dropout, batch_indices, keep_optimizer,
-                       local_optimizer, physical_chunks, resume_optimizer)
+                       local_optimizer, optimizer_groups, physical_chunks, resume_optimizer)
 
 
 @dataclass(frozen=True)
@@ -143,7 +143,7 @@ def dp_sgd_train_local(model, data: TokenizedSplit, *, params: DPSGDParams, lr: 
                        device: torch.device, secure_noise: bool = False,
                        dropout_seed: int | None = None, optimizer: str = "adam",
                        physical_batch_size: int = PHYSICAL_BATCH_SIZE, optimizer_carry: dict | None = None,
-                       canaries=None, adam_eps: float = 1e-8) -> TrainStats:
+                       canaries=None, adam_eps: float = 1e-8, head_lr_scale: float = 1.0) -> TrainStats:
     """One silo's round of DP-SGD on ``model`` (a PEFT model whose trainable set is settled).
 
     ``noise_generator`` feeds Opacus' Gaussian noise (seeded runs repeat); ``secure_noise`` uses
@@ -161,7 +161,7 @@ def dp_sgd_train_local(model, data: TokenizedSplit, *, params: DPSGDParams, lr: 
     trainable = [p for _, p in named]
     if not trainable:
         raise ValueError("DP-SGD needs at least one trainable tensor")
-    base = local_optimizer(trainable, lr=lr, kind=optimizer, adam_eps=adam_eps)
+    base = local_optimizer(optimizer_groups(named, head_lr_scale), lr=lr, kind=optimizer, adam_eps=adam_eps)
     resume_optimizer(base, trainable, lr=lr, kind=optimizer, carry=optimizer_carry)
     common = dict(noise_multiplier=params.noise_multiplier, expected_batch_size=params.batch_size,
                   loss_reduction="mean", generator=noise_generator, secure_mode=secure_noise)

@@ -126,16 +126,41 @@ def round_lr(lr: float, schedule: str, server_round: int, num_rounds: int) -> fl
 
 def local_optimizer(params, *, lr: float, kind: str = "adam", adam_eps: float = 1e-8):
     """A silo's optimizer for one round (fresh every round): Adam, or SGD. The one place both the
-    plain and the DP-SGD local training build it. ``adam_eps`` (``train.adam-eps``): Adam's
-    denominator floor; under DP-SGD, set near the noise's per-coordinate std σC/b, a coordinate
-    that only noise moves steps by about lr·std/eps instead of lr (a fresh Adam's first steps are
-    sign-like: lr whatever the signal)."""
+    plain and the DP-SGD local training build it. ``params``: tensors, or the groups of
+    ``optimizer_groups`` (each group steps at ``lr`` times its ``lr_scale``). ``adam_eps``
+    (``train.adam-eps``): Adam's denominator floor; under DP-SGD, set near the noise's
+    per-coordinate std σC/b, a coordinate that only noise moves steps by about lr·std/eps instead
+    of lr (a fresh Adam's first steps are sign-like: lr whatever the signal)."""
     params = list(params)
     if kind == "adam":
-        return torch.optim.Adam(params, lr=lr, eps=adam_eps)
-    if kind == "sgd":
-        return torch.optim.SGD(params, lr=lr)
-    raise ValueError(f"unknown optimizer {kind!r}")
+        opt = torch.optim.Adam(params, lr=lr, eps=adam_eps)
+    elif kind == "sgd":
+        opt = torch.optim.SGD(params, lr=lr)
+    else:
+        raise ValueError(f"unknown optimizer {kind!r}")
+    _set_rate(opt, lr)
+    return opt
+
+
+def optimizer_groups(named_params, head_lr_scale: float = 1.0):
+    """The trainable tensors of ``named_params`` as optimizer groups: the adapters at the round's
+    rate, the classification head at ``head_lr_scale`` times it (``train.head-lr-scale``). Why a
+    rate of its own: a fresh Adam moves every coordinate by about lr per step whatever its gradient,
+    and the head's 384 inputs all push one logit, so at the adapters' rate its logits outgrow the
+    evidence (training loss above ln 2 at 85 % accuracy on SST-2, RESULTS.md). Scale 1: one group."""
+    from ..model import is_head_parameter
+
+    named = [(n, p) for n, p in named_params if p.requires_grad]
+    if head_lr_scale == 1.0:
+        return [p for _, p in named]
+    groups = [{"params": [p for n, p in named if not is_head_parameter(n)], "lr_scale": 1.0},
+              {"params": [p for n, p in named if is_head_parameter(n)], "lr_scale": float(head_lr_scale)}]
+    return [g for g in groups if g["params"]]
+
+
+def _set_rate(opt, lr: float) -> None:
+    for group in opt.param_groups:
+        group["lr"] = lr * group.get("lr_scale", 1.0)
 
 
 def resume_optimizer(opt, params, *, lr: float, kind: str, carry: dict | None) -> None:
@@ -146,8 +171,7 @@ def resume_optimizer(opt, params, *, lr: float, kind: str, carry: dict | None) -
     if not carry or carry.get("kind") != kind or carry.get("shapes") != [tuple(p.shape) for p in params]:
         return
     opt.load_state_dict(carry["state"])
-    for group in opt.param_groups:
-        group["lr"] = lr  # this round's rate, not the saved one
+    _set_rate(opt, lr)  # this round's rate, not the saved one
 
 
 def keep_optimizer(opt, params, *, kind: str, carry: dict | None) -> None:
@@ -163,7 +187,8 @@ def keep_optimizer(opt, params, *, kind: str, carry: dict | None) -> None:
 def train_local(model, data: TokenizedSplit, *, steps: int, batch_size: int, lr: float,
                 generator: torch.Generator, poisson: bool, device: torch.device,
                 dropout_seed: int | None = None, physical_batch_size: int = PHYSICAL_BATCH_SIZE,
-                optimizer: str = "adam", optimizer_carry: dict | None = None, adam_eps: float = 1e-8) -> TrainStats:
+                optimizer: str = "adam", optimizer_carry: dict | None = None, adam_eps: float = 1e-8,
+                head_lr_scale: float = 1.0) -> TrainStats:
     """L steps of mini-batch Adam (or SGD: ``optimizer``) on the trainable parameters; a fresh
     optimizer every round.
     ``dropout_seed`` makes the dropout masks a function of the seed alone (see ``silo_randomness``)."""
@@ -173,16 +198,18 @@ def train_local(model, data: TokenizedSplit, *, steps: int, batch_size: int, lr:
         return _train_steps(model, data, steps=steps, batch_size=batch_size, lr=lr,
                             generator=generator, poisson=poisson, device=device,
                             physical_batch_size=physical_batch_size, optimizer=optimizer,
-                            optimizer_carry=optimizer_carry, adam_eps=adam_eps)
+                            optimizer_carry=optimizer_carry, adam_eps=adam_eps, head_lr_scale=head_lr_scale)
 
 
 def _train_steps(model, data: TokenizedSplit, *, steps: int, batch_size: int, lr: float,
                  generator: torch.Generator, poisson: bool, device: torch.device,
                  physical_batch_size: int = PHYSICAL_BATCH_SIZE, optimizer: str = "adam",
-                 optimizer_carry: dict | None = None, adam_eps: float = 1e-8) -> TrainStats:
+                 optimizer_carry: dict | None = None, adam_eps: float = 1e-8,
+                 head_lr_scale: float = 1.0) -> TrainStats:
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = local_optimizer(params, lr=lr, kind=optimizer, adam_eps=adam_eps)
+    opt = local_optimizer(optimizer_groups(model.named_parameters(), head_lr_scale), lr=lr, kind=optimizer,
+                          adam_eps=adam_eps)
     resume_optimizer(opt, params, lr=lr, kind=optimizer, carry=optimizer_carry)
     total, count, seen, empty = 0.0, 0, 0, 0
     for idx in batch_indices(len(data), batch_size, steps, generator, poisson, rate_size=getattr(data, "dp_size", None)):
