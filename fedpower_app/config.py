@@ -78,6 +78,7 @@ SCHEMA: dict[str, tuple[type, Callable[[Any], str | None] | None]] = {
     "model.pooling": (str, _in(POOLINGS)),
     "lora.rank": (int, _min1),
     "lora.alpha": (float, _pos),
+    "model.dropout": (float, lambda v: None if v == -1 or 0 <= v < 1 else "must be -1 (the checkpoint's own) or in [0, 1)"),
     "lora.dropout": (float, lambda v: None if 0 <= v < 1 else "must be in [0, 1)"),
     "lora.top-layers": (int, _nonneg),
     "train.local-steps": (int, _min1),

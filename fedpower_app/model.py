@@ -138,6 +138,15 @@ def use_mean_pooling(base) -> None:
     encoder.register_forward_pre_hook(keep_mask, with_kwargs=True)
 
 
+def set_dropout(model: torch.nn.Module, p: float) -> None:
+    """Every dropout of the pretrained model (hidden, attention, classifier) at rate ``p``
+    (``model.dropout``; LoRA's own is ``lora.dropout``). Why 0 under DP-SGD: dropout adds its own
+    per-example gradient noise to the DP noise, and trains a model other than the one evaluated."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = p
+
+
 def build_model(cfg: RunConfig, num_labels: int, device: torch.device | str | None = None):
     """A fresh PEFT LoRA model (not cached): seeded head and seeded LoRA initialisation.
 
@@ -160,6 +169,8 @@ def build_model(cfg: RunConfig, num_labels: int, device: torch.device | str | No
     _seeded_init_missing(base, list(info.get("missing_keys", [])), cfg["seed"])
     if cfg["model.pooling"] == "mean":
         use_mean_pooling(base)
+    if cfg["model.dropout"] >= 0:
+        set_dropout(base, cfg["model.dropout"])
     base = base.to(resolve_device(cfg["device"]) if device is None else torch.device(device))
     model_type = base.config.model_type
     targets = target_modules_for(model_type, cfg.target_modules)
@@ -192,7 +203,7 @@ _INITIAL_STATES: dict[tuple, dict] = {}
 
 
 def model_cache_key(cfg: RunConfig, num_labels: int) -> tuple:
-    keys = ("model.name", "model.target-modules", "model.train-head", "model.pooling", "lora.rank", "lora.alpha",
+    keys = ("model.name", "model.target-modules", "model.train-head", "model.pooling", "model.dropout", "lora.rank", "lora.alpha",
             "lora.dropout", "lora.top-layers", "seed", "device")
     return tuple(cfg[k] for k in keys) + (num_labels,)
 

@@ -181,3 +181,29 @@ def test_a_released_mean_pooling_model_reloads_with_its_pooling(tiny3_dir, tmp_p
     loaded, _ = load_released(tmp_path / "adapter")
     with torch.no_grad():
         torch.testing.assert_close(loaded(**batch).logits, want, rtol=1e-5, atol=1e-5)
+
+
+def test_model_dropout_sets_every_rate_of_the_pretrained_model(tiny3_dir):
+    """model.dropout = 0: the train-mode forward is the eval-mode forward (LoRA's own dropout is
+    0 here too); a rate above 0 reaches every dropout, so train mode then differs; -1 keeps the
+    checkpoint's own rates."""
+    _, model, shard = setup(tiny3_dir, **{"model.dropout": 0.0})
+    assert all(m.p == 0.0 for m in model.modules() if isinstance(m, torch.nn.Dropout))
+    batch = shard.batch(torch.arange(8), CPU)
+    with torch.no_grad():
+        model.train()
+        train_logits = model(**batch).logits
+        model.eval()
+        torch.testing.assert_close(train_logits, model(**batch).logits)
+    _, noisy, _ = setup(tiny3_dir, **{"model.dropout": 0.3})
+    rates = [m.p for m in noisy.base_model.model.modules() if isinstance(m, torch.nn.Dropout)]
+    assert len(rates) >= 3 and all(p == 0.3 for p in rates)  # embeddings, attention, hidden, head
+    with torch.no_grad():
+        noisy.train()
+        torch.manual_seed(0)
+        train_logits = noisy(**batch).logits
+        noisy.eval()
+        assert not torch.allclose(train_logits, noisy(**batch).logits)
+    _, kept, _ = setup(tiny3_dir)
+    hidden = kept.base_model.model.config.hidden_dropout_prob
+    assert kept.base_model.model.bert.embeddings.dropout.p == hidden
