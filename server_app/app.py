@@ -463,6 +463,10 @@ def _run(grid: Grid, cfg: RunConfig, run_dir: Path, results: ResultsWriter, chec
                                 max_length=cfg["task.max-length"], pooling=cfg["model.pooling"])
     torch.save(evaluate_fn.last_logits, run_dir / "final-eval-logits.pt")
     status = "stopped-budget" if strategy.stopped_reason else "completed"
+    nothing_learned = results.no_round_aggregated()
+    if nothing_learned:
+        status = "failed-no-replies"
+        log.error("run %s FAILED: %s. The released model is the initial one.", run_dir.name, nothing_learned)
     # The journal names the last round's silos (a cohort): server state for a resume, not an output.
     (run_dir / CK.INFLIGHT_FILE).unlink(missing_ok=True)
     results.finish(status, stopped_reason=strategy.stopped_reason, adapter_dir=str(adapter_dir),

@@ -78,6 +78,21 @@ def test_failing_client_is_dropped_and_round_goes_on(tmp_path):
     assert res["status"] == "completed"
 
 
+def test_a_run_where_every_silo_fails_is_a_failed_run_not_a_completed_one(tmp_path):
+    """Every ClientApp failing (as when Ray's memory monitor kills them) leaves the initial model:
+    the run says so in its status and its log, and the launcher then exits 1."""
+    def broken(msg, context):
+        if msg.metadata.message_type == "train":
+            raise MemoryError("out of memory")
+        return client_app(msg, context)
+
+    res, _ = run_inprocess(tmp_path, num_nodes=2, handlers={100: broken, 101: broken},
+                           **{"num-server-rounds": 1, "strategy.name": "fedlora", "dp.level": "none"})
+    assert res["status"] == "failed-no-replies"
+    assert all(r["aggregated"] == 0 for r in res["rounds"])
+    assert "MemoryError" in res["rounds"][0]["dropped"][0]["reason"] or "out of memory" in res["rounds"][0]["dropped"][0]["reason"]
+
+
 @pytest.mark.slow  # ~1-2 min on 2 CPUs: a real learning curve
 def test_nonprivate_fedlora_learns(tmp_path):
     # 8 rounds: on this task the loss only starts to fall after ~3 rounds (measured for seeds 0-2 at

@@ -90,6 +90,22 @@ class ResultsWriter:
             "wall_seconds": time.time() - self.started,
         }
 
+    def no_round_aggregated(self) -> str | None:
+        """When rounds ran and not one aggregated a silo's reply (every ClientApp failed: out of
+        memory, a crash, a timeout), why, in one line: the model is then the initial one, and a run
+        that says "completed" would hide it. None otherwise."""
+        rounds = self.data["rounds"]
+        if not rounds or any(int(r.get("aggregated", 0)) > 0 for r in rounds):
+            return None
+        reasons = sorted({d.get("reason", "?") for r in rounds for d in r.get("dropped", [])})
+        missing = sum(len(r.get("missing", [])) for r in rounds)
+        parts = [f"{len(rounds)} round(s) ran and none aggregated a silo's reply"]
+        if missing:
+            parts.append(f"{missing} repl(ies) never came (a ClientApp crashed, was killed, e.g. out of memory, or timed out)")
+        if reasons:
+            parts.append("dropped: " + "; ".join(reasons[:3]) + (" ..." if len(reasons) > 3 else ""))
+        return "; ".join(parts)
+
     def finish(self, status: str, **extra: Any) -> None:
         self.data["status"] = status
         self.data.update(extra)
