@@ -1,0 +1,80 @@
+"""One silo's DP-SGD round of the default run at two shapes with the same examples per round: the
+old default's b = 500, L = 2 against more, smaller steps (default here: b = 125, L = 8).
+
+Why: issue #32 item 5 keeps the default run under 5 minutes, and smaller Poisson batches pay a
+fixed cost per step (Opacus' clipping and noise over every trainable tensor, the optimizer step)
+and pad shorter chunks. Both cases call ``fedpower_app.training.dp_sgd.dp_sgd_train_local`` on the
+same model, initial adapters and silo shard (silo 0 of 6 of the generated task), with the product's
+physical chunks; only ``batch_size`` and ``local_steps`` differ. Time per round is the median of
+interleaved repeats, so load on a shared machine hits both alike and the ratio holds.
+
+    python -m benchmarks.round_shape [--batch-size 125 --local-steps 8] [--repeats 3] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from .common import interleaved, median
+
+
+def run(*, batch_size: int, local_steps: int, base_batch: int = 500, base_steps: int = 2, repeats: int = 3,
+        log=print) -> dict:
+    from fedpower_app import data as D
+    from fedpower_app import model as M
+    from fedpower_app.config import parse_config
+    from fedpower_app.training import dp_sgd as DPS
+
+    cfg = parse_config({})  # the default run's model, task and clip
+    device = torch.device("cpu")
+    task = D.load_task(cfg)
+    model = M.build_model(cfg, task.num_labels, device=device)
+    shard = D.client_shard(cfg, M.load_tokenizer(cfg["model.name"]), 0, 6)
+    init = M.adapter_state(model)
+
+    def case(b: int, steps: int):
+        params = DPS.DPSGDParams(noise_multiplier=0.5, clip=cfg["dp.clip"], batch_size=b, local_steps=steps)
+
+        def go():
+            M.load_adapter_state(model, init)
+            DPS.dp_sgd_train_local(model, shard, params=params, lr=cfg["train.lr"],
+                                   sampling_generator=torch.Generator().manual_seed(1234),
+                                   noise_generator=torch.Generator().manual_seed(1), device=device, dropout_seed=0)
+        return go
+
+    base, new = f"b{base_batch}_L{base_steps}", f"b{batch_size}_L{local_steps}"
+    cases = {base: case(base_batch, base_steps), new: case(batch_size, local_steps)}
+    log(f"[round-shape] generated task, silo 0 of 6 ({len(shard)} rows): {base} against {new} "
+        f"({base_batch * base_steps} and {batch_size * local_steps} expected examples per round)")
+    times = interleaved(cases, repeats=repeats, device=device, warmup=1)
+    per_round = {k: median(v) for k, v in times.items()}
+    ratio = per_round[new] / per_round[base]
+    log(f"[round-shape] per round: {base} {per_round[base]:.2f} s, {new} {per_round[new]:.2f} s -> {ratio:.2f}x the time")
+    return {"rows": len(shard), "cases": {base: [base_batch, base_steps], new: [batch_size, local_steps]},
+            "per_round_seconds": per_round, "all_seconds": times, "ratio": ratio,
+            "threads": torch.get_num_threads(), "repeats": repeats}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.round_shape", description=__doc__.split("\n\n")[0])
+    p.add_argument("--batch-size", type=int, default=125)
+    p.add_argument("--local-steps", type=int, default=8)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (1 when another job holds a core)")
+    p.add_argument("--json", default="", help="write the figures here")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    out = run(batch_size=args.batch_size, local_steps=args.local_steps, repeats=args.repeats)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
