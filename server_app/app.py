@@ -25,7 +25,7 @@ from fedpower_app.config import RunConfig, parse_config
 from fedpower_app.logging_setup import setup_logging
 from fedpower_app.privacy import build_privacy, guarantee
 from fedpower_app.released import save_released
-from fedpower_app.runs.results import ResultsWriter
+from fedpower_app.runs.results import ResultsWriter, no_round_aggregated
 from fedpower_app.training import evaluate as evaluate_model
 from strategies.engine import build_engine
 from strategies.flower import RoundReport, build_strategy, exchange
@@ -393,7 +393,10 @@ def _run(grid: Grid, cfg: RunConfig, run_dir: Path, results: ResultsWriter, chec
         # it leaves (evaluate messages, central evaluation, results.json, the console).
         save_checkpoint(report.server_round, report.to_dict())
 
+    full_rows: list[dict] = []  # this process' rounds, reply counts included (results.json may withhold them)
+
     def record_round(full_row: dict, metrics: MetricRecord | None) -> None:
+        full_rows.append(full_row)
         row = disclosure.round_row(full_row)
         if metrics is not None:
             row.update({k: float(v) for k, v in metrics.items()})
@@ -463,7 +466,7 @@ def _run(grid: Grid, cfg: RunConfig, run_dir: Path, results: ResultsWriter, chec
                                 max_length=cfg["task.max-length"], pooling=cfg["model.pooling"])
     torch.save(evaluate_fn.last_logits, run_dir / "final-eval-logits.pt")
     status = "stopped-budget" if strategy.stopped_reason else "completed"
-    nothing_learned = results.no_round_aggregated()
+    nothing_learned = no_round_aggregated(full_rows) if first_round == 1 else None
     if nothing_learned:
         status = "failed-no-replies"
         log.error("run %s FAILED: %s. The released model is the initial one.", run_dir.name, nothing_learned)

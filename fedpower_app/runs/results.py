@@ -90,22 +90,6 @@ class ResultsWriter:
             "wall_seconds": time.time() - self.started,
         }
 
-    def no_round_aggregated(self) -> str | None:
-        """When rounds ran and not one aggregated a silo's reply (every ClientApp failed: out of
-        memory, a crash, a timeout), why, in one line: the model is then the initial one, and a run
-        that says "completed" would hide it. None otherwise."""
-        rounds = self.data["rounds"]
-        if not rounds or any(int(r.get("aggregated", 0)) > 0 for r in rounds):
-            return None
-        reasons = sorted({d.get("reason", "?") for r in rounds for d in r.get("dropped", [])})
-        missing = sum(len(r.get("missing", [])) for r in rounds)
-        parts = [f"{len(rounds)} round(s) ran and none aggregated a silo's reply"]
-        if missing:
-            parts.append(f"{missing} repl(ies) never came (a ClientApp crashed, was killed, e.g. out of memory, or timed out)")
-        if reasons:
-            parts.append("dropped: " + "; ".join(reasons[:3]) + (" ..." if len(reasons) > 3 else ""))
-        return "; ".join(parts)
-
     def finish(self, status: str, **extra: Any) -> None:
         self.data["status"] = status
         self.data.update(extra)
@@ -114,3 +98,20 @@ class ResultsWriter:
 
     def flush(self) -> None:
         write_json_atomic(self.path, self.data)
+
+
+def no_round_aggregated(rows: list[dict[str, Any]]) -> str | None:
+    """When rounds ran and not one aggregated a silo's reply (every ClientApp failed: out of
+    memory, a crash, a timeout), why, in one line: the model is then the initial one, and a run
+    that says "completed" would hide it. None otherwise. ``rows``: the rounds' full reports (the
+    server's, before ``dp.diagnostics`` withholds the reply counts from results.json)."""
+    if not rows or any(int(r.get("aggregated", 0)) > 0 for r in rows):
+        return None
+    reasons = sorted({d.get("reason", "?") for r in rows for d in r.get("dropped", [])})
+    missing = sum(len(r.get("missing", [])) for r in rows)
+    parts = [f"{len(rows)} round(s) ran and none aggregated a silo's reply"]
+    if missing:
+        parts.append(f"{missing} repl(ies) never came (a ClientApp crashed, was killed, e.g. out of memory, or timed out)")
+    if reasons:
+        parts.append("dropped: " + "; ".join(reasons[:3]) + (" ..." if len(reasons) > 3 else ""))
+    return "; ".join(parts)
