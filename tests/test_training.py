@@ -170,6 +170,8 @@ def test_head_lr_scale_reaches_dp_sgd_and_survives_a_carried_state():
         dp_sgd_train_local(model, _Split(n=8), params=params, lr=lr, sampling_generator=torch.Generator().manual_seed(0),
                            noise_generator=torch.Generator().manual_seed(1), device=torch.device("cpu"),
                            optimizer_carry=carry, head_lr_scale=0.25)
-        assert (model.head["modules_to_save"].weight.detach() - head0).abs().max() <= 0.25 * lr * 1.001
+        # Adam's step per coordinate is about lr (exactly lr·sign on a fresh first step; a carried
+        # state's m/sqrt(v) can exceed 1 a little): the head's stays well under the body's rate.
+        assert (model.head["modules_to_save"].weight.detach() - head0).abs().max() <= 0.25 * lr * 1.5
         assert (model.body.weight.detach() - body0).abs().max() > 0.5 * lr
     assert [g["lr"] for g in carry["state"]["param_groups"]] == pytest.approx([0.004, 0.001])
