@@ -18,12 +18,11 @@ two draws, and Adam's first steps, about lr * sign(g) per coordinate, make that 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import torch
 
-from .common import interleaved, median
+from .common import interleaved, median, write_json
 
 
 def run(*, data_dir: str, batch_size: int, steps: int, repeats: int, log=print) -> dict:
@@ -109,9 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default="", help="write the figures here")
     args = p.parse_args(argv)
     out = run(data_dir=args.data_dir, batch_size=args.batch_size, steps=args.steps, repeats=args.repeats)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+    write_json(args.json, out)
     return 0
 
 

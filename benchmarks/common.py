@@ -237,3 +237,10 @@ def silo_zero_setup(set_items, *, silos: int, threads: int):
     model = M.build_model(cfg, 2)
     M.set_trainable(model, train_a="A" in trained_lora_factors(cfg["strategy.name"]), train_b=True)
     return cfg, tok, model, client_shard(cfg, tok, 0, silos)
+
+
+def write_json(path: str, figures: dict) -> None:
+    """A benchmark's figures to ``path`` (its ``--json``); nothing when ``path`` is empty."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(figures, f, indent=1)

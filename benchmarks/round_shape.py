@@ -14,12 +14,11 @@ interleaved repeats, so load on a shared machine hits both alike and the ratio h
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import torch
 
-from .common import interleaved, median
+from .common import interleaved, median, write_json
 
 
 def run(*, batch_size: int, local_steps: int, base_batch: int = 500, base_steps: int = 2, repeats: int = 3,
@@ -70,9 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     out = run(batch_size=args.batch_size, local_steps=args.local_steps, repeats=args.repeats)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+    write_json(args.json, out)
     return 0
 
 
