@@ -30,13 +30,14 @@ def run(*, data_dir: str, batch_size: int, steps: int, repeats: int, log=print) 
     from fedpower_app.training import dp_sgd as DPS
     from fedpower_app import model as M
     from fedpower_app.config import parse_config
-    from fedpower_app.training import PHYSICAL_BATCH_SIZE, batch_indices
+    from fedpower_app.training import batch_indices, physical_batch_size_for
 
     overrides = {"train.batch-size": batch_size, "train.local-steps": steps}
     if data_dir:
         overrides.update({"task.name": "sst2", "task.data-dir": data_dir})
     cfg = parse_config(overrides)
     device = torch.device("cpu")
+    chunk_size = physical_batch_size_for(device)  # what the product trains in on this device
     task = D.load_task(cfg)
     model = M.build_model(cfg, task.num_labels, device=device)
     shard = D.client_shard(cfg, M.load_tokenizer(cfg["model.name"]), 0, 6)
@@ -45,13 +46,13 @@ def run(*, data_dir: str, batch_size: int, steps: int, repeats: int, log=print) 
     seed = 1234
     sorted_chunks = DPS.physical_chunks
 
-    def sampled_order(data, idx, size=PHYSICAL_BATCH_SIZE):  # the baseline: chunks in sampled order
+    def sampled_order(data, idx, size=chunk_size):  # the baseline: chunks in sampled order
         return list(idx.split(size))
 
     def padded_tokens(chunker) -> float:
         total = 0
         for idx in batch_indices(len(shard), batch_size, steps, torch.Generator().manual_seed(seed), True):
-            for chunk in chunker(shard, idx, PHYSICAL_BATCH_SIZE):
+            for chunk in chunker(shard, idx, chunk_size):
                 total += int(shard.attention_mask[chunk].sum(dim=1).max()) * len(chunk)
         return total / steps
 
@@ -74,7 +75,7 @@ def run(*, data_dir: str, batch_size: int, steps: int, repeats: int, log=print) 
         len(shard), batch_size, steps, torch.Generator().manual_seed(seed), True)) / steps
     tokens = {"sampled_order": padded_tokens(sampled_order), "length_sorted": padded_tokens(sorted_chunks)}
     log(f"[chunks] {cfg['task.name']} silo 0 of 6 ({len(shard)} rows), Poisson batch {batch_size}, {steps} steps, "
-        f"chunks of {PHYSICAL_BATCH_SIZE}; real tokens/step {real_tokens:.0f}, padded tokens/step "
+        f"chunks of {chunk_size}; real tokens/step {real_tokens:.0f}, padded tokens/step "
         f"{tokens['sampled_order']:.0f} (sampled order) vs {tokens['length_sorted']:.0f} (sorted)")
     # Warm-up (builds the Opacus wrapper), then the same round both ways with dropout off: the
     # two orders must give the same adapters up to float summation order.
@@ -94,7 +95,7 @@ def run(*, data_dir: str, batch_size: int, steps: int, repeats: int, log=print) 
     log(f"[chunks] per step: sampled order {per_step['sampled_order']:.2f} s, length-sorted "
         f"{per_step['length_sorted']:.2f} s -> speed-up {ratio:.2f}x; max |param diff| after the round, dropout off, {max_diff:.2e}")
     return {"task": cfg["task.name"], "rows": len(shard), "batch_size": batch_size, "steps": steps,
-            "repeats": repeats, "physical_batch_size": PHYSICAL_BATCH_SIZE, "real_tokens_per_step": real_tokens,
+            "repeats": repeats, "physical_batch_size": chunk_size, "real_tokens_per_step": real_tokens,
             "padded_tokens_per_step": tokens, "per_step_seconds": per_step, "all_seconds": times,
             "speedup": ratio, "max_param_diff": max_diff, "threads": torch.get_num_threads()}
 

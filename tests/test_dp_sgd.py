@@ -255,6 +255,23 @@ def test_physical_chunks_cover_the_batch_once_shortest_rows_first(tiny_model_dir
     assert [c.tolist() for c in physical_chunks(shard, idx[:8], 8)] == [idx[:8].tolist()]  # one chunk: as sampled
 
 
+def test_a_cpu_round_trains_in_small_sorted_chunks_and_a_gpu_in_large_ones(tiny_model_dir, monkeypatch):
+    # On a CPU a chunk of 32 sorted rows is padded far less than one chunk of a whole small Poisson
+    # batch (1.37x faster at b = 125 on the generated task, BENCHMARKS.md); a GPU keeps 128.
+    from fedpower_app.training import loops
+
+    assert loops.physical_batch_size_for(torch.device("cuda")) == loops.PHYSICAL_BATCH_SIZE == 128
+    assert loops.physical_batch_size_for(CPU) == loops.PHYSICAL_BATCH_SIZE_CPU == 32
+    cfg, model, shard = tiny(tiny_model_dir, **{"task.synthetic-train-size": 400})
+    seen = []
+    real_batch = type(shard).batch
+    monkeypatch.setattr(type(shard), "batch", lambda self, idx, device: seen.append(len(idx)) or real_batch(self, idx, device))
+    sampling, noise = gens(2)
+    stats = dp_sgd_train_local(model, shard, params=DPSGDParams(0.5, 0.01, 100, 1), lr=0.1,
+                               sampling_generator=sampling, noise_generator=noise, device=CPU)
+    assert sum(seen) == stats.examples_seen > 64 and max(seen) == 32 and len(seen) >= 3
+
+
 def test_seeded_dp_sgd_repeats_and_hardened_differs(tiny_model_dir):
     cfg, model, shard = tiny(tiny_model_dir)
     start = M.adapter_state(model)

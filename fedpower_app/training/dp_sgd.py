@@ -33,8 +33,8 @@ from strategies.privacy_contract import sample_rate
 from ..data import TokenizedSplit
 from .frozen_prefix import forward_context
 from ..model import is_head_parameter
-from .loops import (PHYSICAL_BATCH_SIZE, TrainStats, _autocast, _seeded_dropout, batch_indices, keep_optimizer,
-                       local_optimizer, optimizer_groups, physical_chunks, resume_optimizer)
+from .loops import (TrainStats, _autocast, _seeded_dropout, batch_indices, keep_optimizer, local_optimizer,
+                    optimizer_groups, physical_batch_size_for, physical_chunks, resume_optimizer)
 
 
 @dataclass(frozen=True)
@@ -142,7 +142,7 @@ def dp_sgd_train_local(model, data: TokenizedSplit, *, params: DPSGDParams, lr: 
                        sampling_generator: torch.Generator, noise_generator: torch.Generator | None,
                        device: torch.device, secure_noise: bool = False,
                        dropout_seed: int | None = None, optimizer: str = "adam",
-                       physical_batch_size: int = PHYSICAL_BATCH_SIZE, optimizer_carry: dict | None = None,
+                       physical_batch_size: int | None = None, optimizer_carry: dict | None = None,
                        canaries=None, adam_eps: float = 1e-8, head_lr_scale: float = 1.0) -> TrainStats:
     """One silo's round of DP-SGD on ``model`` (a PEFT model whose trainable set is settled).
 
@@ -188,7 +188,7 @@ def dp_sgd_train_local(model, data: TokenizedSplit, *, params: DPSGDParams, lr: 
                     # One logical (Poisson) batch in physical chunks: every chunk but the last only
                     # clips and accumulates (Opacus' skip-step), the last adds the noise once and
                     # steps. Same result as one pass; peak memory set by the chunk, not by b.
-                    chunks = physical_chunks(data, idx, physical_batch_size)
+                    chunks = physical_chunks(data, idx, physical_batch_size or physical_batch_size_for(device))
                     batch_loss = 0.0
                     for i, chunk in enumerate(chunks):
                         batch = data.batch(chunk, device)

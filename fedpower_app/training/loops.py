@@ -91,7 +91,17 @@ def _seeded_dropout(seed: int | None, device: torch.device):
 # processed in chunks of at most this many and the step is the same (the batch's mean gradient;
 # under DP-SGD its clipped sum plus one noise draw). Why: at b = 500 one pass held 4-5 GB per silo
 # process (DP-SGD keeps every example's activations and gradients) and Ray killed workers.
+# PHYSICAL_BATCH_SIZE is the GPU's (a chunk must be large to keep it busy; the memory plan sizes
+# GPUs by it). On a CPU a small chunk costs nothing per example, and sorted small chunks are padded
+# far less: a Poisson batch of b = 125 of the generated task runs 1.3x faster in chunks of 32 than
+# in one chunk (BENCHMARKS.md, "Length-sorted chunks on a CPU").
 PHYSICAL_BATCH_SIZE = 128
+PHYSICAL_BATCH_SIZE_CPU = 32
+
+
+def physical_batch_size_for(device: torch.device) -> int:
+    """The chunk size a device trains in (see PHYSICAL_BATCH_SIZE)."""
+    return PHYSICAL_BATCH_SIZE if device.type == "cuda" else PHYSICAL_BATCH_SIZE_CPU
 
 
 def physical_chunks(data: TokenizedSplit, idx: torch.Tensor, size: int = PHYSICAL_BATCH_SIZE) -> list[torch.Tensor]:
@@ -186,7 +196,7 @@ def keep_optimizer(opt, params, *, kind: str, carry: dict | None) -> None:
 
 def train_local(model, data: TokenizedSplit, *, steps: int, batch_size: int, lr: float,
                 generator: torch.Generator, poisson: bool, device: torch.device,
-                dropout_seed: int | None = None, physical_batch_size: int = PHYSICAL_BATCH_SIZE,
+                dropout_seed: int | None = None, physical_batch_size: int | None = None,
                 optimizer: str = "adam", optimizer_carry: dict | None = None, adam_eps: float = 1e-8,
                 head_lr_scale: float = 1.0) -> TrainStats:
     """L steps of mini-batch Adam (or SGD: ``optimizer``) on the trainable parameters; a fresh
@@ -203,7 +213,7 @@ def train_local(model, data: TokenizedSplit, *, steps: int, batch_size: int, lr:
 
 def _train_steps(model, data: TokenizedSplit, *, steps: int, batch_size: int, lr: float,
                  generator: torch.Generator, poisson: bool, device: torch.device,
-                 physical_batch_size: int = PHYSICAL_BATCH_SIZE, optimizer: str = "adam",
+                 physical_batch_size: int | None = None, optimizer: str = "adam",
                  optimizer_carry: dict | None = None, adam_eps: float = 1e-8,
                  head_lr_scale: float = 1.0) -> TrainStats:
     model.train()
@@ -219,7 +229,7 @@ def _train_steps(model, data: TokenizedSplit, *, steps: int, batch_size: int, lr
         opt.zero_grad(set_to_none=True)
         # The batch's mean gradient, accumulated over physical chunks (peak memory set by the chunk).
         batch_loss = 0.0
-        for chunk in physical_chunks(data, idx, physical_batch_size):
+        for chunk in physical_chunks(data, idx, physical_batch_size or physical_batch_size_for(device)):
             batch = data.batch(chunk, device)
             with _autocast(device):
                 out = model(**batch)
