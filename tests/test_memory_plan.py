@@ -135,7 +135,7 @@ def measured(measuring):
 
 @pytest.fixture(scope="module")
 def tiny_plan(tiny_dir):
-    """The default run's plan on the tiny model (every layer, query and value, DP-SGD, b = 500)."""
+    """The default run's plan on the tiny model (every layer, query and value, DP-SGD, b = 125)."""
     return MP.plan_memory(parse_config({"model.name": tiny_dir}))
 
 
