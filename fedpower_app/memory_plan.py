@@ -140,8 +140,7 @@ def meta_model(cfg: RunConfig, num_labels: int):
                 M.use_mean_pooling(base)
             except ValueError as exc:
                 raise ConfigError(f"config key 'model.pooling': {exc}") from None
-        if cfg["model.dropout"] >= 0:  # as build_model: a dropout at rate 0 keeps no mask
-            M.set_dropout(base, cfg["model.dropout"])
+        M.apply_dropout(base, cfg)  # as build_model: a dropout at rate 0 keeps no mask
         top = cfg["lora.top-layers"]
         depth = int(getattr(base.config, "num_hidden_layers", 0) or 0)
         if top and not 0 < top <= depth:

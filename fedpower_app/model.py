@@ -147,6 +147,13 @@ def set_dropout(model: torch.nn.Module, p: float) -> None:
             module.p = p
 
 
+def apply_dropout(base: torch.nn.Module, cfg: RunConfig) -> None:
+    """``model.dropout`` on a pretrained model (-1 keeps the checkpoint's own rates); the one place
+    both the run's model and the memory plan's meta model take it from."""
+    if cfg["model.dropout"] >= 0:
+        set_dropout(base, cfg["model.dropout"])
+
+
 def build_model(cfg: RunConfig, num_labels: int, device: torch.device | str | None = None):
     """A fresh PEFT LoRA model (not cached): seeded head and seeded LoRA initialisation.
 
@@ -169,8 +176,7 @@ def build_model(cfg: RunConfig, num_labels: int, device: torch.device | str | No
     _seeded_init_missing(base, list(info.get("missing_keys", [])), cfg["seed"])
     if cfg["model.pooling"] == "mean":
         use_mean_pooling(base)
-    if cfg["model.dropout"] >= 0:
-        set_dropout(base, cfg["model.dropout"])
+    apply_dropout(base, cfg)
     base = base.to(resolve_device(cfg["device"]) if device is None else torch.device(device))
     model_type = base.config.model_type
     targets = target_modules_for(model_type, cfg.target_modules)

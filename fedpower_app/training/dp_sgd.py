@@ -177,6 +177,7 @@ def dp_sgd_train_local(model, data: TokenizedSplit, *, params: DPSGDParams, lr: 
     gsm.train()
     total, count, seen, empty = 0.0, 0, 0, 0
     try:
+        chunk_size = physical_batch_size or physical_batch_size_for(device)
         with _seeded_dropout(dropout_seed, device), forward_context(model, data):
             for idx in batch_indices(len(data), params.batch_size, params.local_steps, sampling_generator,
                                      poisson=True, rate_size=getattr(data, "dp_size", None)):
@@ -188,7 +189,7 @@ def dp_sgd_train_local(model, data: TokenizedSplit, *, params: DPSGDParams, lr: 
                     # One logical (Poisson) batch in physical chunks: every chunk but the last only
                     # clips and accumulates (Opacus' skip-step), the last adds the noise once and
                     # steps. Same result as one pass; peak memory set by the chunk, not by b.
-                    chunks = physical_chunks(data, idx, physical_batch_size or physical_batch_size_for(device))
+                    chunks = physical_chunks(data, idx, chunk_size)
                     batch_loss = 0.0
                     for i, chunk in enumerate(chunks):
                         batch = data.batch(chunk, device)

@@ -93,7 +93,7 @@ def _seeded_dropout(seed: int | None, device: torch.device):
 # process (DP-SGD keeps every example's activations and gradients) and Ray killed workers.
 # PHYSICAL_BATCH_SIZE is the GPU's (a chunk must be large to keep it busy; the memory plan sizes
 # GPUs by it). On a CPU a small chunk costs nothing per example, and sorted small chunks are padded
-# far less: a Poisson batch of b = 125 of the generated task runs 1.3x faster in chunks of 32 than
+# far less: a Poisson batch of b = 125 of the generated task runs 1.37x faster in chunks of 32 than
 # in one chunk (BENCHMARKS.md, "Length-sorted chunks on a CPU").
 PHYSICAL_BATCH_SIZE = 128
 PHYSICAL_BATCH_SIZE_CPU = 32
@@ -217,6 +217,7 @@ def _train_steps(model, data: TokenizedSplit, *, steps: int, batch_size: int, lr
                  optimizer_carry: dict | None = None, adam_eps: float = 1e-8,
                  head_lr_scale: float = 1.0) -> TrainStats:
     model.train()
+    chunk_size = physical_batch_size or physical_batch_size_for(device)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = local_optimizer(optimizer_groups(model.named_parameters(), head_lr_scale), lr=lr, kind=optimizer,
                           adam_eps=adam_eps)
@@ -229,7 +230,7 @@ def _train_steps(model, data: TokenizedSplit, *, steps: int, batch_size: int, lr
         opt.zero_grad(set_to_none=True)
         # The batch's mean gradient, accumulated over physical chunks (peak memory set by the chunk).
         batch_loss = 0.0
-        for chunk in physical_chunks(data, idx, physical_batch_size or physical_batch_size_for(device)):
+        for chunk in physical_chunks(data, idx, chunk_size):
             batch = data.batch(chunk, device)
             with _autocast(device):
                 out = model(**batch)
