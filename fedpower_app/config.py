@@ -89,6 +89,7 @@ SCHEMA: dict[str, tuple[type, Callable[[Any], str | None] | None]] = {
     "train.optimizer-state": (str, _in(OPTIMIZER_STATES)),
     "train.adam-eps": (float, _pos),
     "train.head-lr-scale": (float, _pos),
+    "train.label-smoothing": (float, lambda v: None if 0 <= v < 1 else "must be in [0, 1)"),
     "train.cache-frozen": (bool, None),
     "eval.batch-size": (int, _min1),
     "eval.every": (int, _min1),

@@ -33,3 +33,33 @@ def test_clipped_gradient_counts_examples_and_keeps_pushing_past_the_frequency()
     # far out, the majority's examples fall under the clip and the push turns
     row = bias_gradients(z, y, x, clip=0.05, offset=8.0)
     assert row["grad_clipped_over_C"] > 0
+
+
+def test_training_loss_smoothing_turns_the_push_of_a_well_fitted_example():
+    from types import SimpleNamespace
+
+    from fedpower_app.training.loops import training_loss
+
+    labels = torch.tensor([1, 1])
+    logits = torch.tensor([[0.0, 1.0], [0.0, 4.0]], requires_grad=True)  # P(true) = 0.73 and 0.98
+    out = SimpleNamespace(logits=logits, loss=torch.nn.functional.cross_entropy(logits, labels))
+    batch = {"labels": labels}
+    assert torch.equal(training_loss(out, batch, 0.0), out.loss)  # s = 0: the model's own loss
+    loss = training_loss(out, batch, 0.1)  # true-class target 1 - s/2 = 0.95
+    p = torch.softmax(logits.detach(), dim=1)
+    expected = -(0.95 * p[:, 1].log() + 0.05 * p[:, 0].log()).mean()
+    assert torch.allclose(loss, expected)
+    loss.backward()
+    # d loss / d true logit: negative (push up) below P = 0.95, positive (push down) above it
+    assert logits.grad[0, 1] < 0 < logits.grad[1, 1]
+
+
+def test_label_smoothing_is_validated():
+    import pytest
+
+    from fedpower_app.config import ConfigError, parse_config
+
+    assert parse_config({"train.label-smoothing": 0.1})["train.label-smoothing"] == 0.1
+    assert parse_config({})["train.label-smoothing"] == 0.0
+    with pytest.raises(ConfigError, match="label-smoothing"):
+        parse_config({"train.label-smoothing": 1.0})

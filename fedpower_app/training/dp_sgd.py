@@ -34,7 +34,8 @@ from ..data import TokenizedSplit
 from .frozen_prefix import forward_context
 from ..model import is_head_parameter
 from .loops import (TrainStats, _autocast, _seeded_dropout, batch_indices, keep_optimizer, local_optimizer,
-                    optimizer_groups, physical_batch_size_for, physical_chunks, resume_optimizer)
+                    optimizer_groups, physical_batch_size_for, physical_chunks, resume_optimizer,
+                    training_loss)
 
 
 @dataclass(frozen=True)
@@ -143,7 +144,8 @@ def dp_sgd_train_local(model, data: TokenizedSplit, *, params: DPSGDParams, lr: 
                        device: torch.device, secure_noise: bool = False,
                        dropout_seed: int | None = None, optimizer: str = "adam",
                        physical_batch_size: int | None = None, optimizer_carry: dict | None = None,
-                       canaries=None, adam_eps: float = 1e-8, head_lr_scale: float = 1.0) -> TrainStats:
+                       canaries=None, adam_eps: float = 1e-8, head_lr_scale: float = 1.0,
+                       label_smoothing: float = 0.0) -> TrainStats:
     """One silo's round of DP-SGD on ``model`` (a PEFT model whose trainable set is settled).
 
     ``noise_generator`` feeds Opacus' Gaussian noise (seeded runs repeat); ``secure_noise`` uses
@@ -195,7 +197,7 @@ def dp_sgd_train_local(model, data: TokenizedSplit, *, params: DPSGDParams, lr: 
                         batch = data.batch(chunk, device)
                         with _autocast(device):
                             out = gsm(**batch)
-                        loss = out.loss.float()
+                        loss = training_loss(out, batch, label_smoothing)
                         loss.backward()
                         batch_loss += float(loss.detach()) * len(chunk)
                         if i < len(chunks) - 1:

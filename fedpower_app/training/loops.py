@@ -194,11 +194,25 @@ def keep_optimizer(opt, params, *, kind: str, carry: dict | None) -> None:
     carry.update(kind=kind, shapes=[tuple(p.shape) for p in params], state=copy.deepcopy(opt.state_dict()))
 
 
+def training_loss(out, batch, label_smoothing: float = 0.0) -> torch.Tensor:
+    """A batch's mean training loss: the model's cross-entropy, or with ``train.label-smoothing``
+    s > 0 cross-entropy against torch's smoothed targets (1 - s/2 on the true class of two, s/2 on
+    the other). The one place both
+    the plain and the DP-SGD loops take it. Why smoothing under DP-SGD: once an example's gradient
+    is clipped (the head's are ~72x C_h on SST-2), it pushes with the same force however well it
+    is fitted, so the clipped objective drives the logits to extreme confidence; with smoothed
+    targets the push turns at P = 1 - s/2 (RESULTS.md, "Clipping, not the noise"). It costs no
+    privacy: the loss is public, and the clip bounds each example's gradient whatever the loss."""
+    if not label_smoothing:
+        return out.loss.float()
+    return torch.nn.functional.cross_entropy(out.logits.float(), batch["labels"], label_smoothing=label_smoothing)
+
+
 def train_local(model, data: TokenizedSplit, *, steps: int, batch_size: int, lr: float,
                 generator: torch.Generator, poisson: bool, device: torch.device,
                 dropout_seed: int | None = None, physical_batch_size: int | None = None,
                 optimizer: str = "adam", optimizer_carry: dict | None = None, adam_eps: float = 1e-8,
-                head_lr_scale: float = 1.0) -> TrainStats:
+                head_lr_scale: float = 1.0, label_smoothing: float = 0.0) -> TrainStats:
     """L steps of mini-batch Adam (or SGD: ``optimizer``) on the trainable parameters; a fresh
     optimizer every round.
     ``dropout_seed`` makes the dropout masks a function of the seed alone (see ``silo_randomness``)."""
@@ -208,14 +222,15 @@ def train_local(model, data: TokenizedSplit, *, steps: int, batch_size: int, lr:
         return _train_steps(model, data, steps=steps, batch_size=batch_size, lr=lr,
                             generator=generator, poisson=poisson, device=device,
                             physical_batch_size=physical_batch_size, optimizer=optimizer,
-                            optimizer_carry=optimizer_carry, adam_eps=adam_eps, head_lr_scale=head_lr_scale)
+                            optimizer_carry=optimizer_carry, adam_eps=adam_eps, head_lr_scale=head_lr_scale,
+                            label_smoothing=label_smoothing)
 
 
 def _train_steps(model, data: TokenizedSplit, *, steps: int, batch_size: int, lr: float,
                  generator: torch.Generator, poisson: bool, device: torch.device,
                  physical_batch_size: int | None = None, optimizer: str = "adam",
                  optimizer_carry: dict | None = None, adam_eps: float = 1e-8,
-                 head_lr_scale: float = 1.0) -> TrainStats:
+                 head_lr_scale: float = 1.0, label_smoothing: float = 0.0) -> TrainStats:
     model.train()
     chunk_size = physical_batch_size or physical_batch_size_for(device)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -234,7 +249,7 @@ def _train_steps(model, data: TokenizedSplit, *, steps: int, batch_size: int, lr
             batch = data.batch(chunk, device)
             with _autocast(device):
                 out = model(**batch)
-            loss = out.loss.float()
+            loss = training_loss(out, batch, label_smoothing)
             (loss * (len(chunk) / len(idx))).backward()
             batch_loss += float(loss.detach()) * len(chunk)
         opt.step()
