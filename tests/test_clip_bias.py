@@ -1,5 +1,5 @@
 """research/issue32_clip_bias.py: the closed-form bias gradient of a linear head under per-example
-clipping (RESULTS.md, "Clipping, not the noise")."""
+clipping (RESULTS.md, "Where the 6 points to the ceiling go")."""
 
 import torch
 

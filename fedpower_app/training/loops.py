@@ -201,7 +201,7 @@ def training_loss(out, batch, label_smoothing: float = 0.0) -> torch.Tensor:
     the plain and the DP-SGD loops take it. Why smoothing under DP-SGD: once an example's gradient
     is clipped (the head's are ~72x C_h on SST-2), it pushes with the same force however well it
     is fitted, so the clipped objective drives the logits to extreme confidence; with smoothed
-    targets the push turns at P = 1 - s/2 (RESULTS.md, "Clipping, not the noise"). It costs no
+    targets the push turns at P = 1 - s/2 (RESULTS.md, "Where the 6 points to the ceiling go"). It costs no
     privacy: the loss is public, and the clip bounds each example's gradient whatever the loss."""
     if not label_smoothing:
         return out.loss.float()
