@@ -99,25 +99,33 @@ def test_ffa_lora_trainable_set_gets_its_own_wrapper(tiny_model_dir):
         assert torch.equal(before[k], after[k]) == k.endswith(M.LORA_A), k
 
 
-def test_noise_free_unclipped_dp_step_equals_a_plain_mean_gradient_step(tiny_model_dir):
-    # sigma = 0, huge C, q = 1 (b = n): the DP step is exactly SGD on the batch's mean gradient.
-    cfg, model, shard = tiny(tiny_model_dir, **{"model.train-head": True})
+def _exact_dp_and_plain_steps(model_dir, label_smoothing=0.0):
+    """sigma = 0, huge C, q = 1 (b = n): one DP-SGD step and one plain SGD step on the batch's mean
+    cross-entropy (smoothed by ``label_smoothing``) from the same adapters: (start, dp, plain)."""
+    cfg, model, shard = tiny(model_dir, **{"model.train-head": True})
     n = len(shard)
     start = M.adapter_state(model)
     sampling, noise = gens()
     dp_sgd_train_local(model, shard, params=DPSGDParams(0.0, 1e9, n, 1), lr=0.1, sampling_generator=sampling,
-                       noise_generator=noise, device=CPU, optimizer="sgd")
+                       noise_generator=noise, device=CPU, optimizer="sgd", label_smoothing=label_smoothing)
     dp = M.adapter_state(model)
 
-    _, plain_model, _ = tiny(tiny_model_dir, **{"model.train-head": True})
+    _, plain_model, _ = tiny(model_dir, **{"model.train-head": True})
     M.load_adapter_state(plain_model, start)
     plain_model.train()
     params = [p for p in plain_model.parameters() if p.requires_grad]
-    plain_model(**shard.batch(torch.arange(n), CPU)).loss.backward()
+    batch = shard.batch(torch.arange(n), CPU)
+    logits = plain_model(**{k: v for k, v in batch.items() if k != "labels"}).logits
+    torch.nn.functional.cross_entropy(logits, batch["labels"], label_smoothing=label_smoothing).backward()
     with torch.no_grad():
         for p in params:
             p -= 0.1 * p.grad
-    plain = M.adapter_state(plain_model)
+    return start, dp, M.adapter_state(plain_model)
+
+
+def test_noise_free_unclipped_dp_step_equals_a_plain_mean_gradient_step(tiny_model_dir):
+    # sigma = 0, huge C, q = 1 (b = n): the DP step is exactly SGD on the batch's mean gradient.
+    start, dp, plain = _exact_dp_and_plain_steps(tiny_model_dir)
     moved = 0.0
     for k in start:
         torch.testing.assert_close(dp[k], plain[k], rtol=0, atol=1e-5)
@@ -125,39 +133,17 @@ def test_noise_free_unclipped_dp_step_equals_a_plain_mean_gradient_step(tiny_mod
     assert moved > 1e-4  # the step did something
 
 
-
 def test_label_smoothing_reaches_the_dp_step(tiny_model_dir):
-    # sigma = 0, huge C, q = 1: the DP step with train.label-smoothing is SGD on the smoothed loss's
-    # mean gradient (Opacus' per-example gradients of F.cross_entropy, not the model's own loss).
-    cfg, model, shard = tiny(tiny_model_dir, **{"model.train-head": True})
-    n = len(shard)
-    start = M.adapter_state(model)
-    sampling, noise = gens()
-    dp_sgd_train_local(model, shard, params=DPSGDParams(0.0, 1e9, n, 1), lr=0.1, sampling_generator=sampling,
-                       noise_generator=noise, device=CPU, optimizer="sgd", label_smoothing=0.3)
-    dp = M.adapter_state(model)
-
-    _, plain_model, _ = tiny(tiny_model_dir, **{"model.train-head": True})
-    M.load_adapter_state(plain_model, start)
-    plain_model.train()
-    params = [p for p in plain_model.parameters() if p.requires_grad]
-    batch = shard.batch(torch.arange(n), CPU)
-    logits = plain_model(**{k: v for k, v in batch.items() if k != "labels"}).logits
-    torch.nn.functional.cross_entropy(logits, batch["labels"], label_smoothing=0.3).backward()
-    with torch.no_grad():
-        for p in params:
-            p -= 0.1 * p.grad
-    plain = M.adapter_state(plain_model)
+    # The DP step with train.label-smoothing is SGD on the smoothed loss's mean gradient (Opacus'
+    # per-example gradients of F.cross_entropy, not the model's own loss).
+    start, dp, plain = _exact_dp_and_plain_steps(tiny_model_dir, label_smoothing=0.3)
+    _, base, _ = _exact_dp_and_plain_steps(tiny_model_dir)
     differs = 0.0
-    _, unsmoothed, _ = tiny(tiny_model_dir, **{"model.train-head": True})
-    M.load_adapter_state(unsmoothed, start)
-    dp_sgd_train_local(unsmoothed, shard, params=DPSGDParams(0.0, 1e9, n, 1), lr=0.1,
-                       sampling_generator=gens()[0], noise_generator=gens()[1], device=CPU, optimizer="sgd")
-    base = M.adapter_state(unsmoothed)
     for k in start:
         torch.testing.assert_close(dp[k], plain[k], rtol=0, atol=1e-5)
         differs = max(differs, float((dp[k] - base[k]).abs().max()))
     assert differs > 1e-5  # the smoothing changed the step
+
 
 def test_clipping_bounds_each_examples_contribution_float64(tiny_model_dir):
     # One example (b = n = 1), SGD lr 1, no noise: the update is -clip(g) / b, so ||update|| <= C,
