@@ -140,7 +140,8 @@ def dp_sgd_params(config) -> DPSGDParams | None:
     try:
         return DPSGDParams(float(config["dp-sgd.noise-multiplier"]), float(config["dp-sgd.clip"]),
                            int(config["dp-sgd.batch-size"]), int(config["dp-sgd.local-steps"]),
-                           head_clip=float(config.get("dp-sgd.head-clip", 0.0)))
+                           head_clip=float(config.get("dp-sgd.head-clip", 0.0)),
+                           head_noise_ratio=float(config.get("dp-sgd.head-noise-ratio", 0.0)))
     except (KeyError, TypeError, ValueError) as exc:
         raise SiloRefusal(f"refused: incomplete or malformed DP-SGD parameters ({exc})") from exc
 

@@ -45,6 +45,10 @@ def _open_unit(v):
     return None if 0 < v < 1 else "must be in (0, 1)"
 
 
+def _zero_or_above_one(v):
+    return None if v == 0 or v > 1 else "must be 0 or > 1"
+
+
 def _unit(v):
     return None if 0 <= v <= 1 else "must be in [0, 1]"
 
@@ -107,6 +111,7 @@ SCHEMA: dict[str, tuple[type, Callable[[Any], str | None] | None]] = {
     "dp.noise-at": (str, _in(NOISE_AT)),
     "dp.clip": (float, _pos),
     "dp.head-clip": (float, _nonneg),
+    "dp.head-noise-ratio": (float, _zero_or_above_one),
     "dp.noise-multiplier": (float, _nonneg),
     "dp.accountant": (str, _in(ACCOUNTANTS)),
     "dp.sample-mode": (str, _in(SAMPLE_MODES)),
@@ -299,6 +304,11 @@ def _coerce(key: str, value: Any, typ: type) -> Any:
 def _cross_checks(v: dict[str, Any]) -> None:
     if v["strategy.refactor-every"] > 1 and v["strategy.name"] != "fedpower":
         raise ConfigError("config key 'strategy.refactor-every' > 1 only applies to strategy.name = 'fedpower'")
+    if v["dp.head-noise-ratio"] > 0 and not (v["dp.head-clip"] > 0 and v["model.train-head"]
+                                             and v["dp.level"] == "sample" and v["dp.noise-at"] == "silo"):
+        raise ConfigError("config key 'dp.head-noise-ratio' > 0 splits DP-SGD's noise between the adapters and a "
+                          "head clipped apart: it needs model.train-head = true, dp.head-clip > 0 and DP-SGD on "
+                          "the silos (dp.level = 'sample', dp.noise-at = 'silo')")
     if v["dp.calibration"] == "paper" and v["dp.noise-multiplier"] > 0:
         raise ConfigError("config keys 'dp.calibration' = 'paper' and 'dp.noise-multiplier' > 0 are exclusive")
     if (v["dp.level"] == "sample" and v["dp.noise-at"] == "silo"

@@ -256,8 +256,7 @@ def dry_run_step(model, config, cfg: RunConfig, *, chunk: int, tokens: int, chun
     ``dp_sgd_train_local`` runs it (DP-SGD) or ``train_local`` (plain), counting allocations."""
     import torch
 
-    from .model import is_head_parameter
-    from .training.dp_sgd import _group_clipped_optimizer_class
+    from .training.dp_sgd import DPSGDParams, dp_optimizer
     from .training.frozen_prefix import prefix_skipped
     from .training.loops import local_optimizer
 
@@ -294,17 +293,12 @@ def dry_run_step(model, config, cfg: RunConfig, *, chunk: int, tokens: int, chun
     with _quiet(), ctx:
         if dp:
             from opacus import GradSampleModule
-            from opacus.optimizers import DPOptimizer
 
             # as fedpower_app.training.dp_sgd.grad_sample_module and dp_sgd_train_local build them
             net = GradSampleModule(model, batch_first=True, loss_reduction="mean", strict=True)
-            common = dict(noise_multiplier=1.0, expected_batch_size=chunk * chunks, loss_reduction="mean")
-            if cfg["dp.head-clip"] > 0 and any(is_head_parameter(n) for n, _ in named):
-                group_of = {id(p): int(is_head_parameter(n)) for n, p in named}
-                opt = _group_clipped_optimizer_class()(base_opt, group_of=group_of,
-                                                       group_clips=[cfg["dp.clip"], cfg["dp.head-clip"]], **common)
-            else:
-                opt = DPOptimizer(base_opt, max_grad_norm=cfg["dp.clip"], **common)
+            head_clip = cfg["dp.head-clip"]
+            opt = dp_optimizer(base_opt, named, DPSGDParams(1.0, cfg["dp.clip"], chunk * chunks, 1, head_clip=head_clip,
+                                                            head_noise_ratio=cfg["dp.head-noise-ratio"] if head_clip else 0.0))
         else:
             net, opt = model, base_opt
         net.train()

@@ -42,7 +42,8 @@ def main(argv=None) -> int:
     q = min(1.0, b / len(shard))
     sigma = calibrate_noise_multiplier(q, L * T, cfg["dp.epsilon"], cfg["dp.delta"], cfg["dp.accountant"])
     head_clip = cfg["dp.head-clip"] if cfg["model.train-head"] else 0.0
-    params = DPSGDParams(sigma / math.sqrt(a.silos), cfg["dp.clip"], b, L, head_clip=head_clip)
+    params = DPSGDParams(sigma / math.sqrt(a.silos), cfg["dp.clip"], b, L, head_clip=head_clip,
+                         head_noise_ratio=cfg["dp.head-noise-ratio"] if head_clip else 0.0)
     print(f"silo 0: n={len(shard)} q={q:.4f} sigma={sigma:.4f} (eps {cfg['dp.epsilon']:g} over {L * T} steps); "
           f"proxy noise multiplier sigma/sqrt({a.silos})={params.noise_multiplier:.4f}", flush=True)
     sampling, noise = torch.Generator().manual_seed(cfg["seed"]), torch.Generator().manual_seed(cfg["seed"] + 1)

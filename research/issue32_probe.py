@@ -144,7 +144,8 @@ def main(argv=None) -> int:
         q = min(1.0, b / len(train))
         sigma = calibrate_noise_multiplier(q, L * T, cfg["dp.epsilon"], cfg["dp.delta"], cfg["dp.accountant"])
         head_clip = cfg["dp.head-clip"] if cfg["model.train-head"] else 0.0
-        params = DPSGDParams(sigma / math.sqrt(a.noise_avg), cfg["dp.clip"], b, L, head_clip=head_clip)
+        params = DPSGDParams(sigma / math.sqrt(a.noise_avg), cfg["dp.clip"], b, L, head_clip=head_clip,
+                         head_noise_ratio=cfg["dp.head-noise-ratio"] if head_clip else 0.0)
         header.update(q=q, sigma=sigma, noise_multiplier=params.noise_multiplier, steps=L * T)
         log(header)
         sampling, noise = torch.Generator().manual_seed(cfg["seed"]), torch.Generator().manual_seed(cfg["seed"] + 1)

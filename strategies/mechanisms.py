@@ -127,6 +127,52 @@ def dp_sgd_sensitivity(clip: float, head_clip: float = 0.0) -> float:
     return math.sqrt(clip * clip + head_clip * head_clip) if head_clip else float(clip)
 
 
+def head_noise_ratio_problem(ratio: float, head_clip: float) -> Optional[str]:
+    """Why ``ratio`` (``dp.head-noise-ratio``) is unusable with this head clip, or None."""
+    if not (math.isfinite(ratio) and (ratio == 0 or ratio > 1)):
+        return f"head noise ratio must be 0 or > 1 (0: one noise for both groups), got {ratio!r}"
+    if ratio > 0 and not head_clip > 0:
+        return "a head noise ratio > 0 needs the head clipped apart (head clip > 0)"
+    return None
+
+
+def dp_sgd_group_multipliers(sigma: float, clip: float, head_clip: float = 0.0,
+                             head_noise_ratio: float = 0.0) -> tuple[float, float]:
+    """The noise multipliers (sigma_a, sigma_h) of the adapters' and the head's clipped sums.
+
+    A DP-SGD step releases the adapters' clipped sum + N(0, (sigma_a C)^2) and the head's + N(0,
+    (sigma_h C_h)^2). Scaling group g by 1 / (sigma_g C_g), an invertible map, gives one Gaussian
+    mechanism with unit noise and sensitivity sqrt(1/sigma_a^2 + 1/sigma_h^2); so the step is
+    exactly the subsampled Gaussian of noise multiplier sigma (what the accountant counts) whenever
+    1/sigma_a^2 + 1/sigma_h^2 = 1/sigma^2 (docs/privacy.md §0.1). Two ways to split it:
+
+    * ``head_noise_ratio = 0`` (one noise): std sigma * sqrt(C^2 + C_h^2) on every coordinate, i.e.
+      sigma_a = sigma Delta / C, sigma_h = sigma Delta / C_h;
+    * ``head_noise_ratio = rho > 1``: sigma_h = rho sigma, sigma_a = sigma / sqrt(1 - 1/rho^2). A head
+      whose gradients are large and few (770 coordinates for MiniLM) takes more noise per unit of its
+      clip, so its clip can match its gradients without raising the adapters' noise: at rho = 4 the
+      adapters carry 1.033 sigma, against sqrt(2) sigma with one noise and C_h = C.
+
+    Without a head clipped apart (``head_clip = 0``): (sigma, 0), one group."""
+    problem = head_noise_ratio_problem(head_noise_ratio, head_clip)
+    if problem:
+        raise ValueError(problem)
+    if not head_clip:
+        return float(sigma), 0.0
+    if not head_noise_ratio:
+        delta = dp_sgd_sensitivity(clip, head_clip)
+        return sigma * delta / clip, sigma * delta / head_clip
+    rho = float(head_noise_ratio)
+    return sigma / math.sqrt(1.0 - 1.0 / (rho * rho)), rho * sigma
+
+
+def dp_sgd_noise_stds(sigma: float, clip: float, head_clip: float = 0.0,
+                      head_noise_ratio: float = 0.0) -> tuple[float, float]:
+    """The noise std on the adapters' and on the head's clipped sum of a step: (sigma_a C, sigma_h C_h)."""
+    sigma_a, sigma_h = dp_sgd_group_multipliers(sigma, clip, head_clip, head_noise_ratio)
+    return sigma_a * clip, sigma_h * head_clip
+
+
 BOTH = ("sample", "client")
 
 MECHANISMS: dict[str, Mechanism] = {m.name: m for m in (
@@ -172,7 +218,7 @@ MECHANISMS: dict[str, Mechanism] = {m.name: m for m in (
     # -- DP-SGD inside every silo (fedpower_app.training.dp_sgd): the server's release is post-processing ---
     Mechanism("dp-sgd", "silo", ("sample",), ("clipped per-example gradient sum",),
               lambda a: [dp_sgd_sensitivity(a.clip, a.head_clip)], False, None,
-              "DP-SGD: per-example clip C (head C_h), Gaussian noise sigma * Delta on each step's sum"),
+              "DP-SGD: per-example clip C (head C_h), Gaussian noise on each step's sum (dp_sgd_noise_stds)"),
 )}
 
 #: The paper's releases of whole clipped adapters, and the client-level releases of round deltas.

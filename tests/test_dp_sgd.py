@@ -233,6 +233,32 @@ def test_group_clipped_noise_std_is_sigma_times_the_joint_sensitivity(tiny_model
     assert float(scaled.std()) == pytest.approx(0.7 * 1000.0, rel=0.05)
 
 
+def test_split_noise_gives_each_group_its_own_std(tiny_model_dir):
+    # dp.head-noise-ratio = 4: the adapters' noise std sigma/sqrt(1 - 1/16) * C, the head's 4 sigma * C_h
+    # (strategies.mechanisms.dp_sgd_noise_stds). Clips far above the gradients: the update is the noise.
+    from fedpower_app.model import is_head_parameter
+
+    cfg, model, shard = tiny(tiny_model_dir, **{"model.train-head": True, "lora.rank": 16})
+    start = M.adapter_state(model)
+    params = DPSGDParams(0.7, 600.0, 8, 1, head_clip=800.0, head_noise_ratio=4.0)
+    want = (0.7 / math.sqrt(1 - 1 / 16) * 600.0, 4 * 0.7 * 800.0)
+    assert params.noise_stds == pytest.approx(want, rel=1e-12)
+    moved = {False: [], True: []}
+    for seed in range(4):
+        M.load_adapter_state(model, start)
+        before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+        sampling, noise = gens(10 + 2 * seed)
+        dp_sgd_train_local(model, shard, params=params, lr=1.0, sampling_generator=sampling,
+                           noise_generator=noise, device=CPU, optimizer="sgd")
+        for n, p in model.named_parameters():
+            if p.requires_grad:
+                moved[is_head_parameter(n)].append(((p.detach() - before[n]) * params.batch_size).double().flatten())
+    adapters, head = torch.cat(moved[False]), torch.cat(moved[True])
+    assert head.numel() >= 400 and adapters.numel() > 10 * head.numel()
+    assert float(adapters.std()) == pytest.approx(want[0], rel=0.05)
+    assert float(head.std()) == pytest.approx(want[1], rel=0.1)
+
+
 def test_physical_chunks_give_the_same_step_as_one_pass(tiny_model_dir):
     # A logical Poisson batch processed in chunks of 3 (clip and accumulate, one noise draw at the
     # end) must equal one pass over the whole batch: same clipping, same noise, same update.

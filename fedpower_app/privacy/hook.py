@@ -204,6 +204,8 @@ class SiloDPSGD(PlanAndCommit):
         self.num_rounds, self.clip_norm, self.accountant = cfg["num-server-rounds"], cfg["dp.clip"], cfg["dp.accountant"]
         # A trained head may be clipped apart from the adapters (dp_sgd.GroupClippedDPOptimizer).
         self.head_clip = cfg["dp.head-clip"] if cfg["model.train-head"] else 0.0
+        # ... and take its own share of the noise (strategies.mechanisms.dp_sgd_group_multipliers).
+        self.head_noise_ratio = cfg["dp.head-noise-ratio"] if self.head_clip else 0.0
         self.silos = list(client_sizes)  # population order: silo i is self.silos[i]
         self.sizes = dict(client_sizes)
         self.rates = {node: sample_rate(self.batch_size, n) for node, n in client_sizes.items()}
@@ -237,7 +239,7 @@ class SiloDPSGD(PlanAndCommit):
     def train_config(self) -> dict:
         return {"dp-sgd.noise-multiplier": self.sigma, "dp-sgd.clip": self.clip_norm,
                 "dp-sgd.batch-size": self.batch_size, "dp-sgd.local-steps": self.local_steps,
-                "dp-sgd.head-clip": self.head_clip}
+                "dp-sgd.head-clip": self.head_clip, "dp-sgd.head-noise-ratio": self.head_noise_ratio}
 
     def record_sent(self, nodes: list[int], server_round: int) -> None:
         # Counted when sent: a silo that trained and whose reply was lost still used its data.
@@ -298,6 +300,8 @@ class SiloDPSGD(PlanAndCommit):
     def describe(self) -> dict[str, Any]:
         return {"source": self.source, "mechanism": "dp-sgd on the silos (Opacus)", "level": "sample",
                 "noise_at": "silo", "noise_multiplier": self.sigma, "clip": self.clip_norm,
+                "head_clip": self.head_clip, "head_noise_ratio": self.head_noise_ratio,
+                "silo_noise_stds": dict(zip(("adapters", "head"), self.silo_noise_stds)),
                 "batch_size": self.batch_size, "local_steps": self.local_steps, "epsilon": self.epsilon_target,
                 "delta": self.delta, "accountant": self.accountant, "planned_rounds": self.num_rounds,
                 "planned_epsilon": self.planned_epsilon,
@@ -314,18 +318,38 @@ class SiloDPSGD(PlanAndCommit):
 
         return dp_sgd_sensitivity(self.clip_norm, self.head_clip)
 
+    @property
+    def silo_noise_stds(self) -> tuple[float, float]:
+        """The noise std on a step's clipped sum of the adapters and of the head (the silos' own; the
+        server adds none, ``noise_stds``)."""
+        from strategies.mechanisms import dp_sgd_noise_stds
+
+        return dp_sgd_noise_stds(self.sigma, self.clip_norm, self.head_clip, self.head_noise_ratio)
+
     def summary_lines(self) -> list[str]:
         q = max(self.rates.values())
         delta = (f"Delta=C={self.clip_norm:g}" if not self.head_clip else
                  f"Delta=sqrt(C^2+C_h^2)={self.sensitivity:.4g} (adapters clipped to C, head to C_h={self.head_clip:g})")
+        if self.head_noise_ratio:
+            from strategies.mechanisms import dp_sgd_group_multipliers
+
+            (sig_a, sig_h), (std_a, std_h) = (dp_sgd_group_multipliers(self.sigma, self.clip_norm, self.head_clip,
+                                                                       self.head_noise_ratio), self.silo_noise_stds)
+            noise_line = (f"privacy: each step: adapters clipped to C={self.clip_norm:g}, head to C_h={self.head_clip:g} "
+                          f"(one example added/removed), each its own noise: adapters sigma_a*C={std_a:.4g} "
+                          f"(sigma_a={sig_a:.4g}), head sigma_h*C_h={std_h:.4g} (sigma_h={sig_h:.4g} = "
+                          f"{self.head_noise_ratio:g}*sigma); 1/sigma_a^2+1/sigma_h^2 = 1/sigma^2: one Gaussian "
+                          f"mechanism of multiplier sigma")
+        else:
+            noise_line = (f"privacy: each step: {delta} (one example added/removed), noise std on the clipped sum "
+                          f"sigma*Delta={self.sigma * self.sensitivity:.4g}, on the mean gradient sigma*Delta/b="
+                          f"{self.sigma * self.sensitivity / self.batch_size:.3g}")
         return [
             f"privacy: sample-level DP by DP-SGD on the silos, target (eps={self.epsilon_target:g}, "
             f"delta={self.delta:g}), accountant {self.accountant}",
             f"privacy: sigma={self.sigma:.4f} ({self.source}), per-example clip C={self.clip_norm:g}, b={self.batch_size}, "
             f"L={self.local_steps}, max q={q:.5f}",
-            f"privacy: each step: {delta} (one example added/removed), noise std on the clipped sum "
-            f"sigma*Delta={self.sigma * self.sensitivity:.4g}, on the mean gradient sigma*Delta/b="
-            f"{self.sigma * self.sensitivity / self.batch_size:.3g}",
+            noise_line,
             f"privacy: a silo that trains all T={self.num_rounds} rounds ends at eps {self.planned_epsilon:.3f}; "
             f"no silo is sent a round past eps {self.epsilon_target:g}",
         ]

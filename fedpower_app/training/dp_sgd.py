@@ -7,6 +7,9 @@ Each of the L local steps of a round
    LoRA A and B, only B for FFA-LoRA, the head if it trains);
 3. clips each example's whole gradient (one norm over all trainable tensors) to C;
 4. adds N(0, (σ·C)²) to the sum, divides by the expected batch size b and takes an optimizer step.
+   With a trained head clipped apart (C_h) each group draws its own noise (``dp_sgd_noise_stds``:
+   one std σ·√(C² + C_h²), or the head at ρσ and the adapters at σ/√(1 − 1/ρ²)); the step is the
+   same subsampled Gaussian of multiplier σ either way (docs/privacy.md §0.1).
 
 An empty Poisson batch is a noise-only step, never a skipped one: skipping would make the number
 of steps depend on the data's sampling, which the accountant does not model.
@@ -47,6 +50,7 @@ class DPSGDParams:
     batch_size: int  # b: expected Poisson batch size (q = b / n)
     local_steps: int  # L: exactly L steps per round
     head_clip: float = 0.0  # C_h > 0: the head's gradient is clipped apart, to C_h (0: jointly with C)
+    head_noise_ratio: float = 0.0  # ρ > 1: the head's noise multiplier is ρσ (0: one noise std for both groups)
 
     @property
     def sensitivity(self) -> float:
@@ -56,6 +60,14 @@ class DPSGDParams:
         from strategies.mechanisms import dp_sgd_sensitivity
 
         return dp_sgd_sensitivity(self.clip, self.head_clip)
+
+    @property
+    def noise_stds(self) -> tuple[float, float]:
+        """The noise std on a step's clipped sum of the adapters and of the head (0 without a head
+        clipped apart). Their home is the mechanism ``dp-sgd`` (strategies/mechanisms.py)."""
+        from strategies.mechanisms import dp_sgd_noise_stds
+
+        return dp_sgd_noise_stds(self.noise_multiplier, self.clip, self.head_clip, self.head_noise_ratio)
 
     def sample_rate(self, num_examples: int) -> float:
         return sample_rate(self.batch_size, num_examples)
@@ -69,6 +81,11 @@ class DPSGDParams:
             out.append(f"clip must be finite and > 0, got {self.clip!r}")
         if not (math.isfinite(self.head_clip) and self.head_clip >= 0):
             out.append(f"head clip must be finite and >= 0, got {self.head_clip!r}")
+        from strategies.mechanisms import head_noise_ratio_problem
+
+        ratio_problem = head_noise_ratio_problem(self.head_noise_ratio, self.head_clip)
+        if ratio_problem:
+            out.append(ratio_problem)
         if self.batch_size < 1:
             out.append(f"batch size must be >= 1, got {self.batch_size!r}")
         if self.local_steps < 1:
@@ -100,21 +117,34 @@ def grad_sample_module(model):
 
 def _group_clipped_optimizer_class():
     from opacus.optimizers import DPOptimizer
-    from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processed
+    from opacus.optimizers.optimizer import _check_processed_flag, _generate_noise, _mark_as_processed
 
     class GroupClippedDPOptimizer(DPOptimizer):
         """Opacus' DPOptimizer with the per-example gradient clipped in groups: group g to its own
         norm C_g. One example's clipped gradient then has norm at most √(Σ C_g²), which Opacus
-        uses as ``max_grad_norm`` for the noise (σ·√(Σ C_g²)); the accountant is unchanged.
+        uses as ``max_grad_norm``. The noise: one std σ·√(Σ C_g²) on every coordinate, or, with
+        ``group_noise_stds``, group g's own std (``dp_sgd_noise_stds``); the accountant is unchanged
+        either way (docs/privacy.md §0.1).
 
         Why: a trained head's per-example gradient is ~25x the adapters' (0.9 vs 0.035 for MiniLM
         at init), so one joint clip spends nearly all of C on the head and the adapters' share of
         the signal falls far below the noise."""
 
-        def __init__(self, optimizer, *, group_of, group_clips, **kwargs):
+        def __init__(self, optimizer, *, group_of, group_clips, group_noise_stds=None, **kwargs):
             self.group_of = group_of  # id(param) -> group index
             self.group_clips = list(group_clips)
+            self.group_noise_stds = None if group_noise_stds is None else list(group_noise_stds)
             super().__init__(optimizer, max_grad_norm=math.sqrt(sum(c * c for c in group_clips)), **kwargs)
+
+        def add_noise(self):
+            if self.group_noise_stds is None:
+                return super().add_noise()  # one std, sigma * max_grad_norm, on every coordinate
+            for p in self.params:
+                _check_processed_flag(p.summed_grad)
+                noise = _generate_noise(std=self.group_noise_stds[self.group_of[id(p)]], reference=p.summed_grad,
+                                        generator=self.generator, secure_mode=self.secure_mode)
+                p.grad = (p.summed_grad + noise).view_as(p)
+                _mark_as_processed(p.summed_grad)
 
         def clip_and_accumulate(self):
             groups = [self.group_of[id(p)] for p in self.params]
@@ -132,6 +162,23 @@ def _group_clipped_optimizer_class():
                 _mark_as_processed(p.grad_sample)
 
     return GroupClippedDPOptimizer
+
+
+def dp_optimizer(base, named, params: DPSGDParams, *, generator: torch.Generator | None = None,
+                 secure_mode: bool = False):
+    """Opacus' optimizer for ``params`` around ``base`` (``named``: the trainable (name, tensor) pairs):
+    one joint clip C, or, with a trained head and C_h > 0, the head clipped apart
+    (``GroupClippedDPOptimizer``), its noise one std or split by ``params.head_noise_ratio``."""
+    from opacus.optimizers import DPOptimizer
+
+    common = dict(noise_multiplier=params.noise_multiplier, expected_batch_size=params.batch_size,
+                  loss_reduction="mean", generator=generator, secure_mode=secure_mode)
+    if params.head_clip > 0 and any(is_head_parameter(name) for name, _ in named):
+        group_of = {id(p): int(is_head_parameter(name)) for name, p in named}
+        return _group_clipped_optimizer_class()(
+            base, group_of=group_of, group_clips=[params.clip, params.head_clip],
+            group_noise_stds=list(params.noise_stds) if params.head_noise_ratio else None, **common)
+    return DPOptimizer(base, max_grad_norm=params.clip, **common)
 
 
 def _empty_grad_samples(params) -> None:
@@ -165,16 +212,9 @@ def dp_sgd_train_local(model, data: TokenizedSplit, *, params: DPSGDParams, lr: 
         raise ValueError("DP-SGD needs at least one trainable tensor")
     base = local_optimizer(optimizer_groups(named, head_lr_scale), lr=lr, kind=optimizer, adam_eps=adam_eps)
     resume_optimizer(base, trainable, lr=lr, kind=optimizer, carry=optimizer_carry)
-    common = dict(noise_multiplier=params.noise_multiplier, expected_batch_size=params.batch_size,
-                  loss_reduction="mean", generator=noise_generator, secure_mode=secure_noise)
-    if params.head_clip > 0 and any(is_head_parameter(name) for name, _ in named):
-        group_of = {id(p): int(is_head_parameter(name)) for name, p in named}
-        dp_optimizer = _group_clipped_optimizer_class()(base, group_of=group_of,
-                                                        group_clips=[params.clip, params.head_clip], **common)
-    else:
-        dp_optimizer = DPOptimizer(base, max_grad_norm=params.clip, **common)
+    optimizer_dp = dp_optimizer(base, named, params, generator=noise_generator, secure_mode=secure_noise)
     if canaries is not None:
-        canaries.attach(dp_optimizer, trainable, params.clip)
+        canaries.attach(optimizer_dp, trainable, params.clip)
     gsm.enable_hooks()
     gsm.train()
     total, count, seen, empty = 0.0, 0, 0, 0
@@ -183,7 +223,7 @@ def dp_sgd_train_local(model, data: TokenizedSplit, *, params: DPSGDParams, lr: 
         with _seeded_dropout(dropout_seed, device), forward_context(model, data):
             for idx in batch_indices(len(data), params.batch_size, params.local_steps, sampling_generator,
                                      poisson=True, rate_size=getattr(data, "dp_size", None)):
-                dp_optimizer.zero_grad(set_to_none=True)
+                optimizer_dp.zero_grad(set_to_none=True)
                 if len(idx) == 0:
                     empty += 1
                     _empty_grad_samples(trainable)  # noise-only step
@@ -201,15 +241,15 @@ def dp_sgd_train_local(model, data: TokenizedSplit, *, params: DPSGDParams, lr: 
                         loss.backward()
                         batch_loss += float(loss.detach()) * len(chunk)
                         if i < len(chunks) - 1:
-                            dp_optimizer.signal_skip_step(do_skip=True)
-                            dp_optimizer.step()
-                            dp_optimizer.zero_grad(set_to_none=True)  # keeps the accumulated clipped sum
+                            optimizer_dp.signal_skip_step(do_skip=True)
+                            optimizer_dp.step()
+                            optimizer_dp.zero_grad(set_to_none=True)  # keeps the accumulated clipped sum
                     total += batch_loss / len(idx)
                     count += 1
                     seen += len(idx)
-                dp_optimizer.step()
+                optimizer_dp.step()
     finally:
-        dp_optimizer.zero_grad(set_to_none=True)  # no per-example buffers survive the round
+        optimizer_dp.zero_grad(set_to_none=True)  # no per-example buffers survive the round
         # The hooks stay registered (one wrapper per process) but idle: plain training and
         # evaluation of the same model compute no per-example gradients.
         gsm.disable_hooks()

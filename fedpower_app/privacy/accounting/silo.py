@@ -148,9 +148,12 @@ SILO_DEFAULT_DELTA = 1e-5
 
 
 def paid_params(params, sample_rate: float) -> list:
-    """What a paid release is recorded with: the DP parameters it ran with and the rate it drew at."""
-    return [float(params.noise_multiplier), float(params.clip), int(params.batch_size), int(params.local_steps),
-            float(params.head_clip), float(sample_rate)]
+    """What a paid release is recorded with: the DP parameters it ran with and the rate it drew at (and
+    the head's noise ratio when it splits the noise: older ledgers, written without it, stay valid)."""
+    out = [float(params.noise_multiplier), float(params.clip), int(params.batch_size), int(params.local_steps),
+           float(params.head_clip), float(sample_rate)]
+    ratio = float(getattr(params, "head_noise_ratio", 0.0))
+    return out + [ratio] if ratio else out
 
 
 def silo_gate(ledger: SiloLedger, paid: list, key: str | None, params, num_examples: int, *,
