@@ -13,6 +13,7 @@ Modes
   C, fresh Adam every round, L = ``train.local-steps`` steps per round, T = ``num-server-rounds``),
   σ calibrated for (q = b/n, L·T steps, ε, δ) as the server does; the noise multiplier used is
   σ/√``--noise-avg`` (the average of that many silos' noise; 1 = one silo's own noise).
+  ``--probe-rounds K``: a private linear probe first, the head alone for K rounds, then LoRA.
 
 Every evaluation logs val and dev accuracy and the adapters' scale (RMS of A and B entries and
 the norm of the merged update s·B·A summed over modules), one JSON line per evaluation to
@@ -78,6 +79,9 @@ def main(argv=None) -> int:
     ap.add_argument("--a-init-scale", type=float, default=1.0, help="multiply the initial LoRA A by this")
     ap.add_argument("--persist-optimizer", action="store_true",
                     help="dp: the silo keeps its optimizer state across rounds (train.optimizer-state = run)")
+    ap.add_argument("--probe-rounds", type=int, default=0,
+                    help="dp: the first K of the T rounds train the head only (a private linear probe), "
+                         "then the adapters join; sigma is calibrated for all T rounds as before")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default="")
     a = ap.parse_args(argv)
@@ -151,13 +155,19 @@ def main(argv=None) -> int:
         sampling, noise = torch.Generator().manual_seed(cfg["seed"]), torch.Generator().manual_seed(cfg["seed"] + 1)
         do_eval({"round": 0})
         carry = {} if a.persist_optimizer else None
+        if a.probe_rounds:
+            if not cfg["model.train-head"] or not 0 < a.probe_rounds < T:
+                raise SystemExit("--probe-rounds needs model.train-head = true and 0 < K < T")
+            M.set_trainable(model, train_a=False, train_b=False)  # rounds 1..K: the head alone
         for r in range(1, T + 1):
+            if a.probe_rounds and r == a.probe_rounds + 1:
+                M.set_trainable(model, train_a=train_a, train_b=True)  # the adapters join
             lr = round_lr(cfg["train.lr"], cfg["train.lr-schedule"], r, T)
             st = dp_sgd_train_local(model, train, params=params, lr=lr, sampling_generator=sampling,
                                     noise_generator=noise, device=cpu, optimizer=cfg["train.optimizer"],
                                     optimizer_carry=carry, adam_eps=cfg["train.adam-eps"],
                                     head_lr_scale=cfg["train.head-lr-scale"])
-            if r % max(1, a.eval_every) == 0 or r == T:
+            if r % max(1, a.eval_every) == 0 or r == T or r == a.probe_rounds:
                 do_eval({"round": r, "lr": round(lr, 6), "loss": round(st.loss, 4)})
     else:
         log(header)
