@@ -328,19 +328,19 @@ class SiloDPSGD(PlanAndCommit):
 
     def summary_lines(self) -> list[str]:
         q = max(self.rates.values())
-        delta = (f"Delta=C={self.clip_norm:g}" if not self.head_clip else
-                 f"Delta=sqrt(C^2+C_h^2)={self.sensitivity:.4g} (adapters clipped to C, head to C_h={self.head_clip:g})")
         if self.head_noise_ratio:
             from strategies.mechanisms import dp_sgd_group_multipliers
 
-            (sig_a, sig_h), (std_a, std_h) = (dp_sgd_group_multipliers(self.sigma, self.clip_norm, self.head_clip,
-                                                                       self.head_noise_ratio), self.silo_noise_stds)
+            sig_a, sig_h = dp_sgd_group_multipliers(self.sigma, self.clip_norm, self.head_clip, self.head_noise_ratio)
+            std_a, std_h = sig_a * self.clip_norm, sig_h * self.head_clip
             noise_line = (f"privacy: each step: adapters clipped to C={self.clip_norm:g}, head to C_h={self.head_clip:g} "
                           f"(one example added/removed), each its own noise: adapters sigma_a*C={std_a:.4g} "
                           f"(sigma_a={sig_a:.4g}), head sigma_h*C_h={std_h:.4g} (sigma_h={sig_h:.4g} = "
                           f"{self.head_noise_ratio:g}*sigma); 1/sigma_a^2+1/sigma_h^2 = 1/sigma^2: one Gaussian "
                           f"mechanism of multiplier sigma")
         else:
+            delta = (f"Delta=C={self.clip_norm:g}" if not self.head_clip else
+                     f"Delta=sqrt(C^2+C_h^2)={self.sensitivity:.4g} (adapters clipped to C, head to C_h={self.head_clip:g})")
             noise_line = (f"privacy: each step: {delta} (one example added/removed), noise std on the clipped sum "
                           f"sigma*Delta={self.sigma * self.sensitivity:.4g}, on the mean gradient sigma*Delta/b="
                           f"{self.sigma * self.sensitivity / self.batch_size:.3g}")

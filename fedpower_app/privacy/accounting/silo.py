@@ -152,8 +152,7 @@ def paid_params(params, sample_rate: float) -> list:
     the head's noise ratio when it splits the noise: older ledgers, written without it, stay valid)."""
     out = [float(params.noise_multiplier), float(params.clip), int(params.batch_size), int(params.local_steps),
            float(params.head_clip), float(sample_rate)]
-    ratio = float(getattr(params, "head_noise_ratio", 0.0))
-    return out + [ratio] if ratio else out
+    return out + [float(params.head_noise_ratio)] if params.head_noise_ratio else out
 
 
 def silo_gate(ledger: SiloLedger, paid: list, key: str | None, params, num_examples: int, *,
