@@ -934,6 +934,41 @@ def test_private_method_overrides_apply_to_private_cells_only(tmp_path):
         X.validate(spec, out)
 
 
+def test_nonprivate_overrides_give_the_ceiling_its_own_schedule(tmp_path):
+    """[nonprivate-overrides] and [nonprivate-method-overrides.<m>]: the non-private cells train at
+    their own schedule (they beat the preset's method tables), the private cells are untouched, and a
+    key that makes a cell, or train.lr set twice, is refused."""
+    grid = tmp_path / "g.toml"
+    grid.write_text(f'out = "{tmp_path / "o"}"\npreset = "{TINY}"\ntasks = ["synthetic"]\n'
+                    'methods = ["fedlora", "ffa-lora"]\nepsilons = [8, "none"]\n'
+                    '[nonprivate-overrides]\n"train.lr" = 0.001\n"train.local-steps" = 7\n'
+                    '[nonprivate-method-overrides.ffa-lora]\n"train.lr" = 0.005\n'
+                    '[private-method-overrides.ffa-lora]\n"train.lr" = 0.09\n')
+    spec, out = X.build_spec(X.make_parser().parse_args(["--grid", str(grid)]))
+    cells = {c.cell_id: c for c in X.validate(spec, out)}
+    preset = parse_config(load_preset(TINY))
+    got = {cid: parse_config(X.cell_overrides(spec, c, out)) for cid, c in cells.items()}
+    assert got["synthetic__fedlora__nonprivate__s0"]["train.lr"] == 0.001
+    assert got["synthetic__ffa-lora__nonprivate__s0"]["train.lr"] == 0.005
+    assert all(got[f"synthetic__{m}__nonprivate__s0"]["train.local-steps"] == 7 for m in ("fedlora", "ffa-lora"))
+    assert got["synthetic__fedlora__eps8__s0"]["train.lr"] == preset["train.lr"]
+    assert got["synthetic__ffa-lora__eps8__s0"]["train.lr"] == 0.09
+    assert all(got[f"synthetic__{m}__eps8__s0"]["train.local-steps"] == preset["train.local-steps"]
+               for m in ("fedlora", "ffa-lora"))
+    assert X.GridSpec.from_dict(json.loads(json.dumps(spec.to_dict()))) == spec
+    spec.nonprivate_lr = 0.002
+    with pytest.raises(X.GridError, match="nonprivate-lr and nonprivate-overrides both set train.lr"):
+        X.validate(spec, out)
+    spec.nonprivate_lr = None
+    spec.nonprivate_overrides = {"dp.level": "sample"}
+    with pytest.raises(X.GridError, match="nonprivate-overrides: dp.level define"):
+        X.validate(spec, out)
+    spec.nonprivate_overrides = {}
+    spec.nonprivate_method_overrides = {"fedlora": {"seed": 3}}
+    with pytest.raises(X.GridError, match="nonprivate-method-overrides.fedlora: seed define"):
+        X.validate(spec, out)
+
+
 def test_compact_cells_keep_the_tables_and_drop_the_bulk(tmp_path, capsys):
     """--report-only --compact: the committed form of a grid's cells; the tables it writes are the same."""
     import shutil

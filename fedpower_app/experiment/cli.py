@@ -49,6 +49,11 @@ Grid files (conf/grids/*.toml) hold the same settings as the flags, plus:
                                the same, for the method's private cells only (after the above): for
                                settings that matter only under DP (FedPower's power iterations and
                                clip), so that its non-private cells stay the best run without DP
+  [nonprivate-overrides]       run-config keys for every non-private ("none") cell, after the preset's
+                               method tables: a ceiling's own schedule (many small steps, where a
+                               DP-SGD run takes few large ones); generalises nonprivate-lr
+  [nonprivate-method-overrides.<method>]
+                               the same, for the method's non-private cells only (applied last)
   [table1] ... [table3]        per-table methods and epsilons; cell-timeout = seconds per cell
 
 A finished cell whose recorded settings (cells/<id>/cell.json) differ from what the grid now asks
@@ -92,7 +97,7 @@ def _load_grid_file(path: str) -> dict[str, Any]:
 
 
 _GRID_KEYS = {"out", "cell-timeout", "preset", "tasks", "seeds", "methods", "epsilons", "overrides", "method-overrides",
-              "private-method-overrides",
+              "private-method-overrides", "nonprivate-overrides", "nonprivate-method-overrides",
               "data-dir", "nonprivate-lr", "supernodes", "backend", "threads", "table1", "table2", "table3"}
 
 
@@ -158,7 +163,7 @@ def build_spec(args: argparse.Namespace) -> tuple[GridSpec, Path]:
         if methods or eps:
             custom = (list(methods or TABLE_METHODS["1"]), eps or TABLE_EPSILONS["1"])
     per_method = {}
-    for table in ("method-overrides", "private-method-overrides"):
+    for table in ("method-overrides", "private-method-overrides", "nonprivate-method-overrides"):
         per_method[table] = g.get(table) or {}
         if not isinstance(per_method[table], dict):
             raise GridError(f"{table}: a table of methods expected, e.g. [{table}.ffa-lora]")
@@ -168,7 +173,10 @@ def build_spec(args: argparse.Namespace) -> tuple[GridSpec, Path]:
                     method_overrides={canonical_method(str(m)): (dict(v) if isinstance(v, dict) else v)
                                       for m, v in per_method["method-overrides"].items()},
                     private_method_overrides={canonical_method(str(m)): (dict(v) if isinstance(v, dict) else v)
-                                              for m, v in per_method["private-method-overrides"].items()})
+                                              for m, v in per_method["private-method-overrides"].items()},
+                    nonprivate_overrides=g.get("nonprivate-overrides") or {},
+                    nonprivate_method_overrides={canonical_method(str(m)): (dict(v) if isinstance(v, dict) else v)
+                                                 for m, v in per_method["nonprivate-method-overrides"].items()})
     return spec, out_path
 
 

@@ -175,12 +175,16 @@ class GridSpec:
     method_overrides: dict[str, dict[str, Any]] = field(default_factory=dict)
     # the same for the method's private cells only, applied after method_overrides
     private_method_overrides: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # run-config keys of every non-private cell (a schedule of its own: a ceiling trains with many
+    # small steps, a DP-SGD run with few large ones); applied after the preset's method tables
+    nonprivate_overrides: dict[str, Any] = field(default_factory=dict)
+    # the same for one method's non-private cells, applied after method_overrides
+    nonprivate_method_overrides: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def overrides_of(self, method: str, eps: float | None) -> dict[str, Any]:
         """The per-method run-config overrides of ``method``'s cells at ``eps``."""
         ov = dict(self.method_overrides.get(method, {}))
-        if eps is not None:
-            ov.update(self.private_method_overrides.get(method, {}))
+        ov.update((self.private_method_overrides if eps is not None else self.nonprivate_method_overrides).get(method, {}))
         return ov
 
     def blocks(self) -> list[tuple[str, list[str], list[float | None]]]:
@@ -273,6 +277,8 @@ class GridSpec:
             "threads": self.threads,
             "method_overrides": self.method_overrides,
             "private_method_overrides": self.private_method_overrides,
+            "nonprivate_overrides": self.nonprivate_overrides,
+            "nonprivate_method_overrides": self.nonprivate_method_overrides,
         }
 
     @classmethod
@@ -287,7 +293,10 @@ class GridSpec:
                    backend=str(d.get("backend", "flwr")), threads=d.get("threads"),
                    method_overrides={str(m): dict(v) for m, v in (d.get("method_overrides") or {}).items()},
                    private_method_overrides={str(m): dict(v)
-                                             for m, v in (d.get("private_method_overrides") or {}).items()})
+                                             for m, v in (d.get("private_method_overrides") or {}).items()},
+                   nonprivate_overrides=dict(d.get("nonprivate_overrides") or {}),
+                   nonprivate_method_overrides={str(m): dict(v)
+                                                for m, v in (d.get("nonprivate_method_overrides") or {}).items()})
 
 
 def _resolve_path(path: str, base: Path) -> str:
@@ -319,6 +328,7 @@ def cell_overrides(spec: GridSpec, cell: Cell, out: Path) -> dict[str, Any]:
         ov["dp.level"] = "none"
         if spec.nonprivate_lr is not None:
             ov["train.lr"] = float(spec.nonprivate_lr)
+        ov.update(spec.nonprivate_overrides)
     else:
         if ov.get("dp.level") == "none":
             ov["dp.level"] = spec.dp_level(cell.task, cell.epsilon)
@@ -354,8 +364,18 @@ def validate(spec: GridSpec, out: Path) -> list[Cell]:
             raise GridError("empty epsilon list")
         for m in methods:
             method_overrides(m)
+    if spec.nonprivate_overrides:
+        if not isinstance(spec.nonprivate_overrides, dict):
+            raise GridError("nonprivate-overrides: a table of run-config keys expected, e.g. \"train.lr\" = 0.001")
+        fixed = sorted(set(spec.nonprivate_overrides) & _CELL_KEYS)
+        if fixed:
+            raise GridError(f"nonprivate-overrides: {', '.join(fixed)} define(s) the cell (method, epsilon, seed, "
+                            "task, where it runs) and cannot be overridden")
+        if spec.nonprivate_lr is not None and "train.lr" in spec.nonprivate_overrides:
+            raise GridError("nonprivate-lr and nonprivate-overrides both set train.lr: keep one")
     for table, per_method in (("method-overrides", spec.method_overrides),
-                              ("private-method-overrides", spec.private_method_overrides)):
+                              ("private-method-overrides", spec.private_method_overrides),
+                              ("nonprivate-method-overrides", spec.nonprivate_method_overrides)):
         for m, ov in per_method.items():
             # an unknown name fails; a known method that --methods left out of this invocation is fine
             canonical_method(m)
