@@ -68,7 +68,7 @@ def main(argv=None) -> int:
         print(f"{method}: dev {dev[0]:.4f} ± {dev[1]:.4f}, validation {val[0]:.4f} ± {val[1]:.4f} "
               f"(n={dev[2]}; dev/validation per seed: {per_seed})")
     methods = sorted({m for _, m, _ in runs})
-    if not plot_curves(Collected(runs), args.task, args.eps, methods, args.out, title_prefix="DP-SGD on 6 silos: "):
+    if not plot_curves(Collected(runs), args.task, args.eps, methods, args.out, title_prefix="6 silos: " if args.eps is None else "DP-SGD on 6 silos: "):
         raise SystemExit("nothing to plot")
     print(f"figure: {args.out}")
     return 0
