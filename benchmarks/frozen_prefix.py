@@ -5,7 +5,9 @@ from silo 0's shard, length-sorted chunks, per-example clip, noise, Adam; interl
 
 * ``all-layers``: LoRA on every layer, tokens in (the baseline: today's default placement);
 * ``top-k``: LoRA on the top k layers only (``lora.top-layers``), tokens in;
-* ``top-k cached``: the same model trained on its frozen-prefix cache (``train.cache-frozen``).
+* ``top-k cached``: the same model trained on its frozen-prefix cache (``train.cache-frozen``);
+* ``top-k cached bf16`` (with ``--bf16``): the same, its forward under bf16 autocast
+  (``train.precision = "bf16"``); the DP arithmetic stays float32.
 
 The cache's build time (one eval-mode forward of the frozen layers over the shard, paid once per
 silo and run) is reported per 1,000 rows.
@@ -34,6 +36,7 @@ def main(argv=None) -> int:
     ap.add_argument("--silos", type=int, default=6, help="silo 0 of this many IID shards")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--bf16", action="store_true", help="add the cached case under train.precision = bf16")
     ap.add_argument("--json", default="")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
@@ -61,15 +64,20 @@ def main(argv=None) -> int:
     cache = build_prefix_cache(top_k, shard, device=cpu)
     build_s = time.perf_counter() - t0
 
-    def step(model, data):
+    def step(model, data, precision="fp32"):
         return lambda: dp_sgd_train_local(model, data, params=params, lr=1e-3, sampling_generator=sampling,
-                                          noise_generator=torch.Generator().manual_seed(1), device=cpu)
+                                          noise_generator=torch.Generator().manual_seed(1), device=cpu,
+                                          precision=precision)
 
     cases = {"all-layers": step(all_layers, shard), f"top-{a.top}": step(top_k, shard),
              f"top-{a.top} cached": step(top_k, cache)}
+    if a.bf16:
+        cases[f"top-{a.top} cached bf16"] = step(top_k, cache, "bf16")
     times = interleaved(cases, repeats=a.repeats, device=cpu)
     baseline = median(times["all-layers"])
-    rows = {name: {"seconds": median(ts), "speedup_vs_all_layers": baseline / median(ts), "repeats": ts}
+    cached = median(times[f"top-{a.top} cached"])
+    rows = {name: {"seconds": median(ts), "speedup_vs_all_layers": baseline / median(ts),
+                   "speedup_vs_cached_fp32": cached / median(ts), "repeats": ts}
             for name, ts in times.items()}
     out = {"benchmark": "frozen_prefix", "rows": len(shard), "batch": a.batch, "top": a.top,
            "trainable": {"all-layers": M.count_trainable(all_layers), f"top-{a.top}": M.count_trainable(top_k)},
@@ -80,7 +88,8 @@ def main(argv=None) -> int:
     print(f"cache: built in {build_s:.1f} s ({out['cache_build_seconds_per_1000_rows']:.2f} s per 1,000 rows), "
           f"{out['cache_mb']:.0f} MB")
     for name, r in rows.items():
-        print(f"{name:>16}: {r['seconds']:.2f} s per step  ({r['speedup_vs_all_layers']:.2f}x all-layers)")
+        print(f"{name:>21}: {r['seconds']:.2f} s per step  ({r['speedup_vs_all_layers']:.2f}x all-layers, "
+              f"{r['speedup_vs_cached_fp32']:.2f}x cached float32)")
     if a.json:
         with open(a.json, "w") as fh:
             json.dump(out, fh, indent=1)

@@ -29,4 +29,5 @@ DEVICES = ("auto", "cpu", "cuda")
 LR_SCHEDULES = ("constant", "cosine")
 LOCAL_OPTIMIZERS = ("adam", "sgd")
 OPTIMIZER_STATES = ("round", "run")
+PRECISIONS = ("auto", "fp32", "bf16")  # train.precision: the forward under bf16 autocast or not
 POOLINGS = ("pooler", "mean")

@@ -17,7 +17,7 @@ PROJECT_ROOT = Path(__file__).resolve().parents[1]
 # Every choice list lives in fedpower_app.choices (one home); re-exported here for the callers.
 from .choices import (  # noqa: E402
     ACCOUNTANTS, CALIBRATIONS, CLIENT_REFACTORIZATIONS, DEVICES, DIAGNOSTICS, DP_LEVELS, LOCAL_OPTIMIZERS,
-    LR_SCHEDULES, NOISE_AT, OPTIMIZER_STATES, POOLINGS, NOISE_MODES, SAMPLE_MODES, STRATEGIES, TASKS,
+    LR_SCHEDULES, NOISE_AT, OPTIMIZER_STATES, POOLINGS, PRECISIONS, NOISE_MODES, SAMPLE_MODES, STRATEGIES, TASKS,
 )
 
 
@@ -95,6 +95,7 @@ SCHEMA: dict[str, tuple[type, Callable[[Any], str | None] | None]] = {
     "train.head-lr-scale": (float, _pos),
     "train.label-smoothing": (float, lambda v: None if 0 <= v < 1 else "must be in [0, 1)"),
     "train.cache-frozen": (bool, None),
+    "train.precision": (str, _in(PRECISIONS)),
     "eval.batch-size": (int, _min1),
     "eval.every": (int, _min1),
     "eval.fraction-clients": (float, _unit),

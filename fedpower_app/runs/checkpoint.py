@@ -48,7 +48,7 @@ ADDED_KEYS = {"task.dirichlet-alpha": 0.0, "dp.diagnostics": "off", "task.valida
               "lora.top-layers": 0, "train.cache-frozen": False,
               "train.optimizer-state": "round", "model.pooling": "pooler", "train.adam-eps": 1e-8,
               "train.head-lr-scale": 1.0, "model.dropout": -1.0,
-              "train.label-smoothing": 0.0}
+              "train.label-smoothing": 0.0, "train.precision": "auto"}
 
 
 def _fingerprinted(config: dict[str, Any]) -> dict[str, Any]:

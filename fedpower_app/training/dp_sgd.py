@@ -151,7 +151,11 @@ def _group_clipped_optimizer_class():
             n = len(self.grad_samples[0])
             factors = []
             for g, clip in enumerate(self.group_clips):
-                sq = [gs.reshape(n, -1).pow(2).sum(dim=1) for gs, gp in zip(self.grad_samples, groups) if gp == g]
+                # float32 norms of the values summed below (bf16 per-example gradients under
+                # autocast are upcast there): a norm rounded in bf16 could let a clipped example
+                # exceed its clip by ~0.2%, and the sensitivity would no longer hold.
+                sq = [gs.reshape(n, -1).to(torch.float32).pow(2).sum(dim=1)
+                      for gs, gp in zip(self.grad_samples, groups) if gp == g]
                 norms = torch.stack(sq, dim=1).sum(dim=1).sqrt() if sq and n else torch.zeros(n)
                 factors.append((clip / (norms + 1e-6)).clamp(max=1.0))
             for p, g in zip(self.params, groups):
@@ -162,6 +166,26 @@ def _group_clipped_optimizer_class():
                 _mark_as_processed(p.grad_sample)
 
     return GroupClippedDPOptimizer
+
+
+def _float32_norm_optimizer_class():
+    from opacus.optimizers import DPOptimizer
+
+    class Float32NormDPOptimizer(DPOptimizer):
+        """Opacus' DPOptimizer with the per-example norms taken in float32.
+
+        Why: under bf16 autocast (GPU, or ``train.precision = "bf16"``) the per-example gradients
+        are bf16, and Opacus takes their norms in bf16 (rounded to 8 bits of mantissa) while it sums
+        the float32 upcast of the same values. A norm rounded down lets that example's clipped
+        gradient exceed C by up to ~0.2%, so the sensitivity, and the printed ε, would not hold.
+        For float32 gradients the upcast is a no-op and the step is Opacus' own."""
+
+        @property
+        def grad_samples(self):
+            return [g.to(torch.float32) if g.dtype in (torch.bfloat16, torch.float16) else g
+                    for g in super().grad_samples]
+
+    return Float32NormDPOptimizer
 
 
 def dp_optimizer(base, named, params: DPSGDParams, *, generator: torch.Generator | None = None,
@@ -178,7 +202,7 @@ def dp_optimizer(base, named, params: DPSGDParams, *, generator: torch.Generator
         return _group_clipped_optimizer_class()(
             base, group_of=group_of, group_clips=[params.clip, params.head_clip],
             group_noise_stds=list(params.noise_stds) if params.head_noise_ratio else None, **common)
-    return DPOptimizer(base, max_grad_norm=params.clip, **common)
+    return _float32_norm_optimizer_class()(base, max_grad_norm=params.clip, **common)
 
 
 def _empty_grad_samples(params) -> None:
@@ -192,7 +216,7 @@ def dp_sgd_train_local(model, data: TokenizedSplit, *, params: DPSGDParams, lr: 
                        dropout_seed: int | None = None, optimizer: str = "adam",
                        physical_batch_size: int | None = None, optimizer_carry: dict | None = None,
                        canaries=None, adam_eps: float = 1e-8, head_lr_scale: float = 1.0,
-                       label_smoothing: float = 0.0) -> TrainStats:
+                       label_smoothing: float = 0.0, precision: str = "auto") -> TrainStats:
     """One silo's round of DP-SGD on ``model`` (a PEFT model whose trainable set is settled).
 
     ``noise_generator`` feeds Opacus' Gaussian noise (seeded runs repeat); ``secure_noise`` uses
@@ -235,7 +259,7 @@ def dp_sgd_train_local(model, data: TokenizedSplit, *, params: DPSGDParams, lr: 
                     batch_loss = 0.0
                     for i, chunk in enumerate(chunks):
                         batch = data.batch(chunk, device)
-                        with _autocast(device):
+                        with _autocast(device, precision):
                             out = gsm(**batch)
                         loss = training_loss(out, batch, label_smoothing)
                         loss.backward()

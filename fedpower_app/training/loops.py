@@ -21,6 +21,7 @@ import torch
 
 from strategies.privacy_contract import sample_rate
 
+from ..choices import PRECISIONS
 from ..data import TokenizedSplit
 
 
@@ -50,11 +51,26 @@ def batch_indices(n: int, batch_size: int, steps: int, generator: torch.Generato
     return out
 
 
-def _autocast(device: torch.device):
-    # Mixed precision on GPU for the frozen base; adapters and DP arithmetic stay float32.
-    if device.type == "cuda":
-        return torch.autocast(device_type="cuda", dtype=torch.bfloat16)
-    return contextlib.nullcontext()
+@contextlib.contextmanager
+def _autocast(device: torch.device, precision: str = "auto"):
+    """The forward's precision (``train.precision``): bf16 autocast for the frozen base, the
+    adapters' weights, the optimizer and the DP arithmetic (per-example norms, clip, noise) stay
+    float32. "auto" is bf16 on a GPU and float32 on a CPU; "bf16" forces it on a CPU too, where
+    it is 1.6x faster per DP-SGD step on a CPU with AVX512-BF16 (BENCHMARKS.md, "bf16 on a
+    CPU"). On a CPU it also takes the math attention kernel: the fused CPU kernel's bf16 backward
+    is ~5x slower than its float32 one."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    bf16 = precision == "bf16" or (precision == "auto" and device.type == "cuda")
+    if not bf16:
+        yield
+        return
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.autocast(device_type=device.type, dtype=torch.bfloat16))
+        if device.type == "cpu":
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+            stack.enter_context(sdpa_kernel(SDPBackend.MATH))
+        yield
 
 
 class SiloStreams(NamedTuple):
@@ -212,7 +228,7 @@ def train_local(model, data: TokenizedSplit, *, steps: int, batch_size: int, lr:
                 generator: torch.Generator, poisson: bool, device: torch.device,
                 dropout_seed: int | None = None, physical_batch_size: int | None = None,
                 optimizer: str = "adam", optimizer_carry: dict | None = None, adam_eps: float = 1e-8,
-                head_lr_scale: float = 1.0, label_smoothing: float = 0.0) -> TrainStats:
+                head_lr_scale: float = 1.0, label_smoothing: float = 0.0, precision: str = "auto") -> TrainStats:
     """L steps of mini-batch Adam (or SGD: ``optimizer``) on the trainable parameters; a fresh
     optimizer every round.
     ``dropout_seed`` makes the dropout masks a function of the seed alone (see ``silo_randomness``)."""
@@ -223,14 +239,14 @@ def train_local(model, data: TokenizedSplit, *, steps: int, batch_size: int, lr:
                             generator=generator, poisson=poisson, device=device,
                             physical_batch_size=physical_batch_size, optimizer=optimizer,
                             optimizer_carry=optimizer_carry, adam_eps=adam_eps, head_lr_scale=head_lr_scale,
-                            label_smoothing=label_smoothing)
+                            label_smoothing=label_smoothing, precision=precision)
 
 
 def _train_steps(model, data: TokenizedSplit, *, steps: int, batch_size: int, lr: float,
                  generator: torch.Generator, poisson: bool, device: torch.device,
                  physical_batch_size: int | None = None, optimizer: str = "adam",
                  optimizer_carry: dict | None = None, adam_eps: float = 1e-8,
-                 head_lr_scale: float = 1.0, label_smoothing: float = 0.0) -> TrainStats:
+                 head_lr_scale: float = 1.0, label_smoothing: float = 0.0, precision: str = "auto") -> TrainStats:
     model.train()
     chunk_size = physical_batch_size or physical_batch_size_for(device)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -247,7 +263,7 @@ def _train_steps(model, data: TokenizedSplit, *, steps: int, batch_size: int, lr
         batch_loss = 0.0
         for chunk in physical_chunks(data, idx, chunk_size):
             batch = data.batch(chunk, device)
-            with _autocast(device):
+            with _autocast(device, precision):
                 out = model(**batch)
             loss = training_loss(out, batch, label_smoothing)
             (loss * (len(chunk) / len(idx))).backward()
