@@ -56,7 +56,7 @@ def _autocast(device: torch.device, precision: str = "auto"):
     """The forward's precision (``train.precision``): bf16 autocast for the frozen base, the
     adapters' weights, the optimizer and the DP arithmetic (per-example norms, clip, noise) stay
     float32. "auto" is bf16 on a GPU and float32 on a CPU; "bf16" forces it on a CPU too, where
-    it is 1.6x faster per DP-SGD step on a CPU with AVX512-BF16 (BENCHMARKS.md, "bf16 on a
+    it is 1.48x faster per DP-SGD step on a CPU with AVX512-BF16 (BENCHMARKS.md, "bf16 on a
     CPU"). On a CPU it also takes the math attention kernel: the fused CPU kernel's bf16 backward
     is ~5x slower than its float32 one."""
     if precision not in PRECISIONS:
