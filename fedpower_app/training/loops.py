@@ -53,9 +53,9 @@ def batch_indices(n: int, batch_size: int, steps: int, generator: torch.Generato
 
 @contextlib.contextmanager
 def _autocast(device: torch.device, precision: str = "auto"):
-    """The forward's precision (``train.precision``): bf16 autocast for the frozen base, the
+    """The forward's precision (``train.precision``): the forward under bf16 autocast or not; the
     adapters' weights, the optimizer and the DP arithmetic (per-example norms, clip, noise) stay
-    float32. "auto" is bf16 on a GPU and float32 on a CPU; "bf16" forces it on a CPU too, where
+    float32 either way. "auto" is bf16 on a GPU and float32 on a CPU; "bf16" forces it on a CPU too, where
     it is 1.48x faster per DP-SGD step on a CPU with AVX512-BF16 (BENCHMARKS.md, "bf16 on a
     CPU"). On a CPU it also takes the math attention kernel: the fused CPU kernel's bf16 backward
     is ~5x slower than its float32 one."""
