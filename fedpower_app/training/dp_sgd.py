@@ -115,13 +115,32 @@ def grad_sample_module(model):
     return _WRAPPED[key]
 
 
-def _group_clipped_optimizer_class():
+def _float32_norm_optimizer_class():
     from opacus.optimizers import DPOptimizer
+
+    class Float32NormDPOptimizer(DPOptimizer):
+        """Opacus' DPOptimizer with the per-example norms taken in float32.
+
+        Why: under bf16 autocast (GPU, or ``train.precision = "bf16"``) the per-example gradients
+        are bf16, and Opacus takes their norms in bf16 (rounded to 8 bits of mantissa) while it sums
+        the float32 upcast of the same values. A norm rounded down lets that example's clipped
+        gradient exceed C by up to ~0.3%, so the sensitivity, and the printed ε, would not hold.
+        For float32 gradients the upcast is a no-op and the step is Opacus' own."""
+
+        @property
+        def grad_samples(self):
+            return [g.to(torch.float32) if g.dtype in (torch.bfloat16, torch.float16) else g
+                    for g in super().grad_samples]
+
+    return Float32NormDPOptimizer
+
+
+def _group_clipped_optimizer_class():
     from opacus.optimizers.optimizer import _check_processed_flag, _generate_noise, _mark_as_processed
 
-    class GroupClippedDPOptimizer(DPOptimizer):
-        """Opacus' DPOptimizer with the per-example gradient clipped in groups: group g to its own
-        norm C_g. One example's clipped gradient then has norm at most √(Σ C_g²), which Opacus
+    class GroupClippedDPOptimizer(_float32_norm_optimizer_class()):
+        """Opacus' DPOptimizer (its per-example norms in float32) with the per-example gradient
+        clipped in groups: group g to its own norm C_g. One example's clipped gradient then has norm at most √(Σ C_g²), which Opacus
         uses as ``max_grad_norm``. The noise: one std σ·√(Σ C_g²) on every coordinate, or, with
         ``group_noise_stds``, group g's own std (``dp_sgd_noise_stds``); the accountant is unchanged
         either way (docs/privacy.md §0.1).
@@ -148,14 +167,11 @@ def _group_clipped_optimizer_class():
 
         def clip_and_accumulate(self):
             groups = [self.group_of[id(p)] for p in self.params]
-            n = len(self.grad_samples[0])
+            grad_samples = self.grad_samples  # float32 (the base class), built once
+            n = len(grad_samples[0])
             factors = []
             for g, clip in enumerate(self.group_clips):
-                # float32 norms of the values summed below (bf16 per-example gradients under
-                # autocast are upcast there): a norm rounded in bf16 could let a clipped example
-                # exceed its clip by ~0.2%, and the sensitivity would no longer hold.
-                sq = [gs.reshape(n, -1).to(torch.float32).pow(2).sum(dim=1)
-                      for gs, gp in zip(self.grad_samples, groups) if gp == g]
+                sq = [gs.reshape(n, -1).pow(2).sum(dim=1) for gs, gp in zip(grad_samples, groups) if gp == g]
                 norms = torch.stack(sq, dim=1).sum(dim=1).sqrt() if sq and n else torch.zeros(n)
                 factors.append((clip / (norms + 1e-6)).clamp(max=1.0))
             for p, g in zip(self.params, groups):
@@ -166,26 +182,6 @@ def _group_clipped_optimizer_class():
                 _mark_as_processed(p.grad_sample)
 
     return GroupClippedDPOptimizer
-
-
-def _float32_norm_optimizer_class():
-    from opacus.optimizers import DPOptimizer
-
-    class Float32NormDPOptimizer(DPOptimizer):
-        """Opacus' DPOptimizer with the per-example norms taken in float32.
-
-        Why: under bf16 autocast (GPU, or ``train.precision = "bf16"``) the per-example gradients
-        are bf16, and Opacus takes their norms in bf16 (rounded to 8 bits of mantissa) while it sums
-        the float32 upcast of the same values. A norm rounded down lets that example's clipped
-        gradient exceed C by up to ~0.2%, so the sensitivity, and the printed ε, would not hold.
-        For float32 gradients the upcast is a no-op and the step is Opacus' own."""
-
-        @property
-        def grad_samples(self):
-            return [g.to(torch.float32) if g.dtype in (torch.bfloat16, torch.float16) else g
-                    for g in super().grad_samples]
-
-    return Float32NormDPOptimizer
 
 
 def dp_optimizer(base, named, params: DPSGDParams, *, generator: torch.Generator | None = None,
