@@ -13,6 +13,7 @@ from fedpower_app import data as D
 from fedpower_app import model as M
 from fedpower_app.config import ConfigError, parse_config
 from fedpower_app.training.dp_sgd import DPSGDParams, dp_optimizer, dp_sgd_train_local
+from fedpower_app.training import loops
 from fedpower_app.training.loops import _autocast, train_local
 
 from .tiny_bert import save_tiny_bert
@@ -86,6 +87,31 @@ def test_autocast_is_bf16_only_when_asked_on_a_cpu():
     for precision, dtype in (("auto", torch.float32), ("fp32", torch.float32), ("bf16", torch.bfloat16)):
         with _autocast(CPU, precision):
             assert (x @ w).dtype == dtype
+
+
+def test_bf16_is_announced_once_and_warned_where_the_cpu_emulates_it(monkeypatch, caplog):
+    """A user who sets bf16 sees that it was taken, once per process, and is told where it will be
+    slower than float32 (no AVX512-BF16 or AMX-BF16: torch emulates bf16)."""
+    loops._announce_precision.cache_clear()
+    monkeypatch.setattr(loops, "cpu_has_native_bf16", lambda: False)
+    with caplog.at_level("INFO", logger=loops.log.name):
+        for _ in range(3):
+            with _autocast(CPU, "bf16"):
+                pass
+        with _autocast(CPU, "auto"):  # float32 on a CPU, as always: nothing to say
+            pass
+    said = [r for r in caplog.records if r.name == loops.log.name]
+    assert [r.levelname for r in said] == ["INFO", "WARNING"]
+    assert "bf16 autocast on cpu" in said[0].getMessage() and "float32" in said[0].getMessage()
+    assert "without AVX512-BF16" in said[1].getMessage()
+    loops._announce_precision.cache_clear()
+    monkeypatch.setattr(loops, "cpu_has_native_bf16", lambda: True)
+    caplog.clear()
+    with caplog.at_level("INFO", logger=loops.log.name):
+        with _autocast(CPU, "bf16"):
+            pass
+    assert [r.levelname for r in caplog.records if r.name == loops.log.name] == ["INFO"]
+    loops._announce_precision.cache_clear()
 
 
 @pytest.fixture(scope="module")

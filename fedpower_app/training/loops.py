@@ -13,8 +13,11 @@ The coins come from a ``torch.Generator`` supplied by the caller (the run's nois
 from __future__ import annotations
 
 import contextlib
+import functools
+import logging
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -23,6 +26,8 @@ from strategies.privacy_contract import sample_rate
 
 from ..choices import PRECISIONS
 from ..data import TokenizedSplit
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -62,6 +67,7 @@ def _autocast(device: torch.device, precision: str = "auto"):
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     bf16 = precision == "bf16" or (precision == "auto" and device.type == "cuda")
+    _announce_precision(device.type, precision, bf16)
     if not bf16:
         yield
         return
@@ -71,6 +77,32 @@ def _autocast(device: torch.device, precision: str = "auto"):
             from torch.nn.attention import SDPBackend, sdpa_kernel
             stack.enter_context(sdpa_kernel(SDPBackend.MATH))
         yield
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_has_native_bf16() -> bool | None:
+    """Whether this x86 CPU computes bf16 natively (AVX512-BF16 or AMX-BF16); None where the
+    flags cannot be read (not Linux). Without them torch emulates bf16 on a CPU, slower than float32."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+@functools.lru_cache(maxsize=None)
+def _announce_precision(device_type: str, precision: str, bf16: bool) -> None:
+    """Say once per process how this silo trains, when ``train.precision`` is not float32 by default:
+    a user who asked for bf16 sees it was taken, and is warned where it will be slow."""
+    if not bf16:
+        if precision == "fp32" and device_type == "cuda":
+            log.info("train.precision = fp32: training in float32 on the GPU (no bf16 autocast)")
+        return
+    log.info("train.precision = %s: the forward under bf16 autocast on %s (its backward follows); per-example norms, "
+             "clipping and noise stay float32 (docs/privacy.md)", precision, device_type)
+    if device_type == "cpu" and cpu_has_native_bf16() is False:
+        log.warning("train.precision = bf16 on a CPU without AVX512-BF16 or AMX-BF16: torch emulates bf16 here, "
+                    "which is usually slower than float32; set train.precision = \"fp32\" (or \"auto\")")
 
 
 class SiloStreams(NamedTuple):
