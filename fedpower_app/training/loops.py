@@ -16,6 +16,7 @@ import contextlib
 import functools
 import logging
 import math
+import platform
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -81,8 +82,10 @@ def _autocast(device: torch.device, precision: str = "auto"):
 
 @functools.lru_cache(maxsize=None)
 def cpu_has_native_bf16() -> bool | None:
-    """Whether this x86 CPU computes bf16 natively (AVX512-BF16 or AMX-BF16); None where the
-    flags cannot be read (not Linux). Without them torch emulates bf16 on a CPU, slower than float32."""
+    """Whether this x86 CPU computes bf16 natively (AVX512-BF16 or AMX-BF16); None where that is not
+    known (not x86, or not Linux). Without them torch emulates bf16 on a CPU, slower than float32."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return None  # ARM names its bf16 flag differently; say nothing rather than warn wrongly
     try:
         flags = Path("/proc/cpuinfo").read_text()
     except OSError:
