@@ -26,6 +26,7 @@ switched to ``eval()`` while gradients are sampled.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -115,6 +116,7 @@ def grad_sample_module(model):
     return _WRAPPED[key]
 
 
+@functools.lru_cache(maxsize=None)  # one class per process (opacus imported lazily), not one per round
 def _float32_norm_optimizer_class():
     from opacus.optimizers import DPOptimizer
 
@@ -135,6 +137,7 @@ def _float32_norm_optimizer_class():
     return Float32NormDPOptimizer
 
 
+@functools.lru_cache(maxsize=None)  # one class per process (opacus imported lazily), not one per round
 def _group_clipped_optimizer_class():
     from opacus.optimizers.optimizer import _check_processed_flag, _generate_noise, _mark_as_processed
 
