@@ -29,7 +29,8 @@ import math
 import statistics
 from pathlib import Path
 
-DEV = "validation-accuracy"  # GLUE's dev split: what the tables report
+from fedpower_app.experiment.report import mean_std
+from research.issue32_figure import DEV  # GLUE's dev split: what the tables report
 
 
 def epochs_per_round(data: dict) -> float:
@@ -63,9 +64,8 @@ def mean_band(curves: list[tuple[list[float], list[float]]]) -> tuple[list[float
     for x, _ in curves:
         if any(abs(a - b) > 1e-9 for a, b in zip(x[:n], xs)):
             raise ValueError("seeds of one label must share their schedule")
-    mean = [statistics.mean(y[i] for _, y in curves) for i in range(n)]
-    std = [statistics.stdev(y[i] for _, y in curves) if len(curves) > 1 else 0.0 for i in range(n)]
-    return xs, mean, std
+    stats = [mean_std(y[i] for _, y in curves) for i in range(n)]
+    return xs, [m for m, _, _ in stats], [sd for _, sd, _ in stats]
 
 
 def fit_log2(points: list[tuple[float, float]]) -> tuple[float, float]:
@@ -140,8 +140,7 @@ def main(argv=None) -> int:
         per_epoch = None
         if args.timing is not None:
             t = json.loads((args.timing / "results.json").read_text())
-            run_curve(t)  # refuses an unfinished run
-            epochs = epochs_per_round(t) * len([r for r in t["rounds"] if r.get(DEV) is not None])
+            epochs = run_curve(t)[0][-1]  # the last evaluated round's epochs; refuses an unfinished run
             per_epoch = float(t["totals"]["wall_seconds"]) / epochs
             print(f"pace: {per_epoch:.0f} s per epoch ({args.timing.name}: {t['totals']['wall_seconds']:.0f} s "
                   f"for {epochs:.2f} epochs)")
