@@ -63,7 +63,7 @@ def run(*, data_dir: str, batch_size: int, steps: int, repeats: int, log=print) 
                 M.load_adapter_state(model, init)
                 DPS.dp_sgd_train_local(model, shard, params=params, lr=cfg["train.lr"],
                                        sampling_generator=torch.Generator().manual_seed(seed),
-                                       noise_generator=torch.Generator().manual_seed(1), device=device,
+                                       noise_generator=torch.Generator(device=device).manual_seed(1), device=device,
                                        dropout_seed=0)
             finally:
                 DPS.physical_chunks = sorted_chunks

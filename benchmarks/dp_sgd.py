@@ -59,7 +59,7 @@ def run(*, device, steps: int = 5, repeats: int = 5, batch_size: int = 0, log=pr
     def dp_sgd():
         M.load_adapter_state(model, init)
         dp_sgd_train_local(model, shard, params=params, lr=lr, sampling_generator=torch.Generator().manual_seed(seed),
-                           noise_generator=torch.Generator().manual_seed(1), device=device, dropout_seed=0)
+                           noise_generator=torch.Generator(device=device).manual_seed(1), device=device, dropout_seed=0)
 
     dp_sgd()  # builds the per-process Opacus wrapper (once, as in a silo)
     plain()

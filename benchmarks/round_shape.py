@@ -46,7 +46,7 @@ def run(*, batch_size: int, local_steps: int, base_batch: int = 500, base_steps:
             M.load_adapter_state(model, init)
             DPS.dp_sgd_train_local(model, shard, params=params, lr=cfg["train.lr"],
                                    sampling_generator=torch.Generator().manual_seed(1234),
-                                   noise_generator=torch.Generator().manual_seed(1), device=device, dropout_seed=0,
+                                   noise_generator=torch.Generator(device=device).manual_seed(1), device=device, dropout_seed=0,
                                    physical_batch_size=chunk)
         return go
 

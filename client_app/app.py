@@ -62,7 +62,11 @@ def _config(items: tuple) -> RunConfig:
 
 
 def _setup(context: Context):
-    cfg = _config(tuple(sorted(context.run_config.items())))
+    items = dict(context.run_config)
+    if str(context.node_config.get("device", "")).strip():
+        # A SuperNode's own choice of device (node config device = "cuda:1" on a multi-GPU host).
+        items["device"] = str(context.node_config["device"]).strip()
+    cfg = _config(tuple(sorted(items.items())))
     local_dir = context.node_config.get("data-dir")
     if local_dir:
         # A real silo with its own files (--node-config 'data-dir="/data/sst2" silo-id=0'): the whole
@@ -207,7 +211,8 @@ def _optimizer_carry(context: Context, cfg: RunConfig) -> dict | None:
     record = context.state.config_records.get(OPTIMIZER_KEY)
     if record is None:
         return {}
-    return torch.load(io.BytesIO(record["state"]), weights_only=True)
+    # Saved where the silo trained; loaded onto the device it trains on now (a silo may move).
+    return torch.load(io.BytesIO(record["state"]), weights_only=True, map_location=M.resolve_device(cfg["device"]))
 
 
 def _keep_optimizer_carry(context: Context, carry: dict | None) -> None:
@@ -318,5 +323,6 @@ def evaluate(msg: Message, context: Context) -> Message:
     cfg, pid, num, _task, model, _tok = _setup(context)
     M.load_adapter_state(model, msg.content["arrays"].to_torch_state_dict())
     device = next(model.parameters()).device
-    res = evaluate_model(model, _eval_shard(cfg, pid, num), batch_size=cfg["eval.batch-size"], device=device)
+    res = evaluate_model(model, _eval_shard(cfg, pid, num), batch_size=cfg["eval.batch-size"], device=device,
+                         precision=cfg["train.precision"])
     return Message(RecordDict({"metrics": MetricRecord(res)}), reply_to=msg)

@@ -53,6 +53,13 @@ def _unit(v):
     return None if 0 <= v <= 1 else "must be in [0, 1]"
 
 
+def _device(v):
+    """A device name: one of DEVICES, or ``cuda:N`` (the N-th visible GPU)."""
+    if v in DEVICES or (v.startswith("cuda:") and v[5:].isdigit()):
+        return None
+    return f"must be one of {', '.join(DEVICES)}, or cuda:N"
+
+
 def _min1(v):
     return None if v >= 1 else "must be >= 1"
 
@@ -64,7 +71,8 @@ SCHEMA: dict[str, tuple[type, Callable[[Any], str | None] | None]] = {
     "run-name": (str, None),
     "output-dir": (str, None),
     "resume": (bool, None),
-    "device": (str, _in(DEVICES)),
+    "device": (str, _device),
+    "server-device": (str, _device),
     "task.name": (str, _in(TASKS)),
     "task.data-dir": (str, None),
     "task.max-length": (int, _min1),

@@ -52,11 +52,18 @@ def resolve_model_path(name: str) -> str:
 
 
 def resolve_device(name: str) -> torch.device:
+    """``auto``: the first visible GPU, else the CPU; ``cpu``; ``cuda`` or ``cuda:N`` (a GPU that
+    must be visible: under Ray, a ClientApp sees a GPU only with client-resources-num-gpus > 0)."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("device = 'cuda' but no CUDA device is visible (in simulation set client-resources-num-gpus > 0)")
-    return torch.device(name)
+    device = torch.device(name)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"device = {name!r} but no CUDA device is visible "
+                               "(in simulation set client-resources-num-gpus > 0)")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise RuntimeError(f"device = {name!r} but only {torch.cuda.device_count()} CUDA device(s) are visible")
+    return device
 
 
 def target_modules_for(model_type: str, configured: list[str]) -> list[str]:
@@ -177,7 +184,8 @@ def build_model(cfg: RunConfig, num_labels: int, device: torch.device | str | No
     if cfg["model.pooling"] == "mean":
         use_mean_pooling(base)
     apply_dropout(base, cfg)
-    base = base.to(resolve_device(cfg["device"]) if device is None else torch.device(device))
+    device = resolve_device(cfg["device"]) if device is None else torch.device(device)
+    base = base.to(device)
     model_type = base.config.model_type
     targets = target_modules_for(model_type, cfg.target_modules)
     head = HEAD_MODULES.get(model_type, ["classifier"]) if cfg["model.train-head"] else None
@@ -199,6 +207,11 @@ def build_model(cfg: RunConfig, num_labels: int, device: torch.device | str | No
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg["seed"] + 1)  # LoRA A init (kaiming) is identical on every node
         model = get_peft_model(base, lora)
+    if device.type != "cpu":
+        # LoRA's seeded init draws from the device's generator, and a GPU's differs from a CPU's:
+        # take the CPU's values, so that the initial adapters, and every release that follows from
+        # them, are the same on any device (a silo on a GPU and a server on a CPU agree).
+        load_adapter_state(model, adapter_state(build_model(cfg, num_labels, device="cpu")))
     # The seeded weights are part of the evaluated model: the released model saves them.
     model.fedpower_missing_keys = sorted(info.get("missing_keys", []))
     return model
@@ -214,12 +227,22 @@ def model_cache_key(cfg: RunConfig, num_labels: int) -> tuple:
     return tuple(cfg[k] for k in keys) + (num_labels,)
 
 
+def server_config(cfg: RunConfig) -> RunConfig:
+    """The configuration the ServerApp builds its model with: ``device`` set to ``server-device``
+    (unchanged when that is ``auto``, so that an in-process run's server and silos share one model)."""
+    if cfg["server-device"] == "auto":
+        return cfg
+    return RunConfig({**cfg.to_dict(), "device": cfg["server-device"]})
+
+
 def cached_model(cfg: RunConfig, num_labels: int):
-    """One PEFT model per process and configuration; adapters are overwritten every round."""
+    """One PEFT model per process and device (the ServerApp's and the silos' in an in-process run);
+    a new configuration replaces the old ones; adapters are overwritten every round."""
     key = model_cache_key(cfg, num_labels)
     if key not in _MODELS:
-        _MODELS.clear()  # one model per process: a new configuration replaces the old one
-        _INITIAL_STATES.clear()
+        for other in [k for k in _MODELS if k[:-2] + k[-1:] != key[:-2] + key[-1:]]:  # another configuration
+            _MODELS.pop(other)
+            _INITIAL_STATES.pop(other, None)
         model = build_model(cfg, num_labels)
         _INITIAL_STATES[key] = adapter_state(model)
         _MODELS[key] = model

@@ -160,6 +160,7 @@ class CentralEvaluator:
         for i, (name, split) in enumerate(self.splits.items()):
             logits: list | None = [] if i == 0 else None
             res = evaluate_model(self.model, split, batch_size=self.cfg["eval.batch-size"], device=self.device,
+                                 precision=self.cfg["train.precision"],
                                  logits_out=logits)
             if i == 0:
                 out["accuracy"], out["loss"] = res["accuracy"], res["loss"]
@@ -330,13 +331,13 @@ def engine_for(cfg: RunConfig, initial_state: dict, client_sizes: list[int]):
                             noise_at=privacy.noise_at)
     return build_engine(cfg["strategy.name"], **engine_arguments(
         cfg, initial_state, privacy, population=list(range(len(client_sizes))),
-        device=M.resolve_device(cfg["device"]), disclosure=disclosure))
+        device=M.resolve_device(M.server_config(cfg)["device"]), disclosure=disclosure))
 
 
 def _run(grid: Grid, cfg: RunConfig, run_dir: Path, results: ResultsWriter, checkpoint: dict | None = None) -> None:
     task = D.load_task(cfg)
-    device = M.resolve_device(cfg["device"])
-    model = M.cached_model(cfg, task.num_labels)
+    device = M.resolve_device(M.server_config(cfg)["device"])
+    model = M.cached_model(M.server_config(cfg), task.num_labels)
     tokenizer = M.load_tokenizer(cfg["model.name"])
     splits = D.eval_splits(cfg, tokenizer)
     initial_state = M.initial_adapter_state(cfg, task.num_labels)

@@ -315,7 +315,7 @@ def release_round(round_type: str, updates: list, *, ctx, stds, noise, server_ro
     """One round's release: the mechanism's release at the planned noise ``stds`` (the privacy
     layer's ``RoundPlan.noise_stds``), drawn from the round's generator, applied to
     ``global_state``. The strategy then commits the round to the privacy layer. Returns the release."""
-    gen = noise.generator("release", server_round, device=ctx.device)
+    gen = noise.generator("release", server_round)  # a CPU generator: the same release on any device
     release = get(round_type).release(updates, ctx, list(stds), gen, extra or ReleaseArgs())
     apply_release(global_state, release)
     return release

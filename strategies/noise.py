@@ -95,12 +95,21 @@ def gaussian(
         raise ValueError(f"noise std must be >= 0, got {std}")
     if std == 0.0:
         return torch.zeros(shape, dtype=dtype, device=device)
+    # Drawn where the generator lives, then moved: the server's generators are CPU ones, so the
+    # same seed gives the same release on a CPU and on a GPU (a copy of the noise, the size of the
+    # thin release, per round).
+    at = draw_device(generator, device)
     if not secure:
-        return torch.randn(shape, generator=generator, dtype=dtype, device=device).mul_(std)
+        return torch.randn(shape, generator=generator, dtype=dtype, device=at).mul_(std).to(device)
     # Holohan & Braghin 2021 / opacus _generate_noise(secure_mode=True): discard one draw, then
     # (sum of 4 draws with std) / 2 has std `std` and hides the low-order bits of a single draw.
-    torch.randn(shape, generator=generator, dtype=dtype, device=device)
-    acc = torch.zeros(shape, dtype=dtype, device=device)
+    torch.randn(shape, generator=generator, dtype=dtype, device=at)
+    acc = torch.zeros(shape, dtype=dtype, device=at)
     for _ in range(4):
-        acc.add_(torch.randn(shape, generator=generator, dtype=dtype, device=device), alpha=std)
-    return acc.div_(2.0)
+        acc.add_(torch.randn(shape, generator=generator, dtype=dtype, device=at), alpha=std)
+    return acc.div_(2.0).to(device)
+
+
+def draw_device(generator: torch.Generator | None, device: str | torch.device) -> torch.device:
+    """Where a draw from ``generator`` must be made (torch draws only on the generator's device)."""
+    return torch.device(device) if generator is None else generator.device

@@ -43,13 +43,16 @@ from typing import Callable
 
 import torch
 
+from .noise import draw_device
+
 # A Gaussian sampler: (shape, std, generator) -> a fresh tensor the caller may consume (it is
 # written into). ``NoiseSource.gaussian`` fits.
 GaussianSampler = Callable[..., torch.Tensor]
 
 
 def _default_sampler(shape, std, generator, *, dtype=torch.float32, device="cpu"):
-    return torch.randn(shape, generator=generator, dtype=dtype, device=device).mul_(float(std))
+    at = draw_device(generator, device)  # on the generator's device, then moved
+    return torch.randn(shape, generator=generator, dtype=dtype, device=at).mul_(float(std)).to(device)
 
 
 # --------------------------------------------------------------------------------------------
@@ -227,7 +230,8 @@ def _add_noise(X: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
 def _random_start(shape, rank, generator, dtype, device) -> torch.Tensor:
     """Gaussian Q0 (M, r, n): data-independent, drawn first so dense and factored agree."""
     *batch, _, n = shape
-    return torch.randn((*batch, rank, n), generator=generator, dtype=dtype, device=device)
+    at = draw_device(generator, device)  # on the generator's device, then moved
+    return torch.randn((*batch, rank, n), generator=generator, dtype=dtype, device=at).to(device)
 
 
 def _check(shape, rank, iters):

@@ -92,7 +92,7 @@ def released_logits(plan: AuditPlan, adapter_dir: Path, *, batch_size: int = 128
         split = tokenize(_examples(task, rows, labels), tokenizer, cfg["task.max-length"])
         chunks: list = []
         with torch.no_grad():
-            evaluate(model, split, batch_size=batch_size, device=torch.device("cpu"), logits_out=chunks)
+            evaluate(model, split, batch_size=batch_size, logits_out=chunks)  # on the model's device
         out[name] = torch.cat(chunks).numpy().astype(np.float32)
     return out
 

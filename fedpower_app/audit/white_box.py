@@ -116,11 +116,12 @@ class GradientCanaries:
         if self._sampled is None or not len(self._sampled):
             return None
         k = len(self._sampled)
-        rows = [torch.zeros((k, p.numel()), dtype=torch.float32) for p in self.params]
+        rows = [torch.zeros((k, p.numel()), dtype=torch.float32, device=p.device) for p in self.params]
         tensor, flat = self._tensor[self._sampled], self._flat[self._sampled]
         for t in np.unique(tensor):
             r = np.flatnonzero(tensor == t)
-            rows[int(t)][torch.as_tensor(r), torch.as_tensor(flat[r])] = self.scale * self.clip
+            where = rows[int(t)].device
+            rows[int(t)][torch.as_tensor(r, device=where), torch.as_tensor(flat[r], device=where)] = self.scale * self.clip
         return [row.view(k, *p.shape) for row, p in zip(rows, self.params)]
 
 
@@ -203,7 +204,7 @@ def run_white_box_audit(model, data, *, epsilon: float, delta: float, clip: floa
     from ..privacy.accounting.silo import calibrate_noise_multiplier
     from ..training.dp_sgd import DPSGDParams, dp_sgd_train_local
 
-    device = device or torch.device("cpu")
+    device = device or next(model.parameters()).device
     n = len(data)
     q = min(1.0, batch_size / n)
     sigma = calibrate_noise_multiplier(q, local_steps * rounds, epsilon, delta, accountant)
@@ -214,7 +215,7 @@ def run_white_box_audit(model, data, *, epsilon: float, delta: float, clip: floa
                              generator=rng)
     params = DPSGDParams(sigma, clip, batch_size, local_steps)
     sampling = torch.Generator().manual_seed(seed)
-    noise = torch.Generator().manual_seed(seed + 1)
+    noise = torch.Generator(device=device).manual_seed(seed + 1)  # on the gradients' device
     for _ in range(rounds):
         dp_sgd_train_local(model, data, params=params, lr=1e-3, sampling_generator=sampling, noise_generator=noise,
                            device=device, canaries=audit)

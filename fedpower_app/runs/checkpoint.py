@@ -117,7 +117,7 @@ def load_checkpoint(run_dir: Path, *, config: dict[str, Any], strategy: str) -> 
         raise CheckpointError(f"{path} is truncated or damaged (checksum mismatch, {len(raw)} bytes); "
                               "refusing to resume from it")
     try:
-        payload = torch.load(io.BytesIO(body), weights_only=True)
+        payload = torch.load(io.BytesIO(body), weights_only=True, map_location="cpu")  # saved on any device
     except Exception as exc:
         raise CheckpointError(f"{path} cannot be read: {type(exc).__name__}: {exc}") from None
     if payload.get("format") != FORMAT:

@@ -37,7 +37,7 @@ from strategies.privacy_contract import sample_rate
 from ..data import TokenizedSplit
 from .frozen_prefix import forward_context
 from ..model import is_head_parameter
-from .loops import (TrainStats, _autocast, _seeded_dropout, batch_indices, keep_optimizer, local_optimizer,
+from .loops import (LossSum, TrainStats, _autocast, _seeded_dropout, batch_indices, keep_optimizer, local_optimizer,
                     optimizer_groups, physical_batch_size_for, physical_chunks, resume_optimizer,
                     training_loss)
 
@@ -116,9 +116,26 @@ def grad_sample_module(model):
     return _WRAPPED[key]
 
 
+def _float32_grad_samples(optimizer) -> list[torch.Tensor]:
+    """The optimizer's flat per-example gradients, one tensor per parameter, in float32 (half
+    precision upcast once; float32 as is)."""
+    return [g.to(torch.float32) if g.dtype in (torch.bfloat16, torch.float16) else g
+            for g in (optimizer._get_flat_grad_sample(p) for p in optimizer.params)]
+
+
+def _clip_factors(grad_samples: list[torch.Tensor], clip: float) -> torch.Tensor:
+    """min(1, C / (‖g_i‖ + 1e-6)) for each example i: Opacus' formula, on float32 gradients."""
+    n = len(grad_samples[0])
+    if n == 0:
+        return torch.zeros((0,), device=grad_samples[0].device)
+    norms = torch.stack([g.reshape(n, -1).norm(2, dim=-1) for g in grad_samples], dim=1).norm(2, dim=1)
+    return (clip / (norms + 1e-6)).clamp(max=1.0)
+
+
 @functools.lru_cache(maxsize=None)  # one class per process (opacus imported lazily), not one per round
 def _float32_norm_optimizer_class():
     from opacus.optimizers import DPOptimizer
+    from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processed
 
     class Float32NormDPOptimizer(DPOptimizer):
         """Opacus' DPOptimizer with the per-example norms taken in float32.
@@ -127,12 +144,18 @@ def _float32_norm_optimizer_class():
         are bf16, and Opacus takes their norms in bf16 (rounded to 8 bits of mantissa) while it sums
         the float32 upcast of the same values. A norm rounded down lets that example's clipped
         gradient exceed C by up to ~0.3%, so the sensitivity, and the printed ε, would not hold.
-        For float32 gradients the upcast is a no-op and the step is Opacus' own."""
+        The float32 copies are built once per clip and serve both the norms and the sum (Opacus'
+        own step reads its per-example gradients three times). For float32 gradients the step is
+        Opacus' own, bit for bit (tests/test_dp_sgd.py)."""
 
-        @property
-        def grad_samples(self):
-            return [g.to(torch.float32) if g.dtype in (torch.bfloat16, torch.float16) else g
-                    for g in super().grad_samples]
+        def clip_and_accumulate(self):
+            grad_samples = _float32_grad_samples(self)
+            factors = _clip_factors(grad_samples, self.max_grad_norm)
+            for p, grad_sample in zip(self.params, grad_samples):
+                _check_processed_flag(p.grad_sample)
+                grad = torch.einsum("i,i...", factors.to(grad_sample.device, p.dtype), grad_sample.to(p.dtype))
+                p.summed_grad = grad if p.summed_grad is None else p.summed_grad + grad
+                _mark_as_processed(p.grad_sample)
 
     return Float32NormDPOptimizer
 
@@ -170,16 +193,17 @@ def _group_clipped_optimizer_class():
 
         def clip_and_accumulate(self):
             groups = [self.group_of[id(p)] for p in self.params]
-            grad_samples = self.grad_samples  # float32 (the base class), built once
+            grad_samples = _float32_grad_samples(self)  # built once, for the norms and the sum
             n = len(grad_samples[0])
             factors = []
             for g, clip in enumerate(self.group_clips):
                 sq = [gs.reshape(n, -1).pow(2).sum(dim=1) for gs, gp in zip(grad_samples, groups) if gp == g]
-                norms = torch.stack(sq, dim=1).sum(dim=1).sqrt() if sq and n else torch.zeros(n)
+                norms = (torch.stack(sq, dim=1).sum(dim=1).sqrt() if sq and n
+                         else torch.zeros(n, device=grad_samples[0].device))
                 factors.append((clip / (norms + 1e-6)).clamp(max=1.0))
-            for p, g in zip(self.params, groups):
+            for p, g, grad_sample in zip(self.params, groups, grad_samples):
                 _check_processed_flag(p.grad_sample)
-                grad_sample = self._get_flat_grad_sample(p).to(p.dtype)
+                grad_sample = grad_sample.to(p.dtype)
                 grad = torch.einsum("i,i...", factors[g].to(grad_sample.device, p.dtype), grad_sample)
                 p.summed_grad = grad if p.summed_grad is None else p.summed_grad + grad
                 _mark_as_processed(p.grad_sample)
@@ -228,6 +252,9 @@ def dp_sgd_train_local(model, data: TokenizedSplit, *, params: DPSGDParams, lr: 
     problems = params.problems()
     if problems:
         raise ValueError("invalid DP-SGD parameters: " + "; ".join(problems))
+    if noise_generator is not None and noise_generator.device.type != torch.device(device).type:
+        raise ValueError(f"the DP-SGD noise generator is on {noise_generator.device}, the gradients on {device}: "
+                         "make it on the gradients' device (training.loops.silo_randomness)")
     gsm = grad_sample_module(model)
     named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     trainable = [p for _, p in named]
@@ -240,7 +267,8 @@ def dp_sgd_train_local(model, data: TokenizedSplit, *, params: DPSGDParams, lr: 
         canaries.attach(optimizer_dp, trainable, params.clip)
     gsm.enable_hooks()
     gsm.train()
-    total, count, seen, empty = 0.0, 0, 0, 0
+    losses = LossSum(device)
+    count, seen, empty = 0, 0, 0
     try:
         chunk_size = physical_batch_size or physical_batch_size_for(device)
         with _seeded_dropout(dropout_seed, device), forward_context(model, data):
@@ -255,19 +283,17 @@ def dp_sgd_train_local(model, data: TokenizedSplit, *, params: DPSGDParams, lr: 
                     # clips and accumulates (Opacus' skip-step), the last adds the noise once and
                     # steps. Same result as one pass; peak memory set by the chunk, not by b.
                     chunks = physical_chunks(data, idx, chunk_size)
-                    batch_loss = 0.0
                     for i, chunk in enumerate(chunks):
                         batch = data.batch(chunk, device)
                         with _autocast(device, precision):
                             out = gsm(**batch)
                         loss = training_loss(out, batch, label_smoothing)
                         loss.backward()
-                        batch_loss += float(loss.detach()) * len(chunk)
+                        losses.add(loss, len(chunk) / len(idx))
                         if i < len(chunks) - 1:
                             optimizer_dp.signal_skip_step(do_skip=True)
                             optimizer_dp.step()
                             optimizer_dp.zero_grad(set_to_none=True)  # keeps the accumulated clipped sum
-                    total += batch_loss / len(idx)
                     count += 1
                     seen += len(idx)
                 optimizer_dp.step()
@@ -277,5 +303,5 @@ def dp_sgd_train_local(model, data: TokenizedSplit, *, params: DPSGDParams, lr: 
         # evaluation of the same model compute no per-example gradients.
         gsm.disable_hooks()
     keep_optimizer(base, trainable, kind=optimizer, carry=optimizer_carry)
-    return TrainStats(loss=total / count if count else math.nan, steps=params.local_steps,
+    return TrainStats(loss=losses.mean(count), steps=params.local_steps,
                       examples_seen=seen, empty_steps=empty)

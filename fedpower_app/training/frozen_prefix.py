@@ -107,9 +107,11 @@ class CachedPrefixSplit(SiloRows):
 
     It quacks like ``TokenizedSplit`` for training (``len``, ``attention_mask`` for length-sorted
     chunks, ``dp_size`` for the sampling rate, ``batch``). Rows are stored trimmed to their real
-    tokens, one flat float32 tensor (MiniLM on SST-2: 13.4 tokens x 384 floats per row)."""
+    tokens, one flat float32 tensor (MiniLM on SST-2: 13.4 tokens x 384 floats per row) on the
+    device that trains on them, so a batch is one gather there, with no host-to-device copy of
+    hidden states. The masks and labels stay on the CPU, where batches are drawn and sorted."""
 
-    hidden: torch.Tensor  # (total real tokens, H)
+    hidden: torch.Tensor  # (total real tokens, H), on the training device
     offsets: torch.Tensor  # (N + 1,) row i is hidden[offsets[i]:offsets[i+1]]
     attention_mask: torch.Tensor  # (N, L) int64, as the tokenized split's
     labels: torch.Tensor  # (N,)
@@ -119,19 +121,22 @@ class CachedPrefixSplit(SiloRows):
     def batch(self, idx: torch.Tensor, device) -> dict[str, torch.Tensor]:
         lengths = self.attention_mask[idx].sum(dim=1)
         width = max(int(lengths.max().item()), 1) if len(idx) else 1
-        out = torch.zeros(len(idx), width, self.hidden.shape[1], dtype=self.hidden.dtype)
-        for row, (i, n) in enumerate(zip(idx.tolist(), lengths.tolist())):
-            start = int(self.offsets[i])
-            out[row, :n] = self.hidden[start:start + n]
+        positions = self.offsets[idx].unsqueeze(1) + torch.arange(width)  # (B, width) rows of ``hidden``
+        real = torch.arange(width) < lengths.unsqueeze(1)
+        positions = torch.where(real, positions, 0)
+        out = self.hidden[positions.to(self.hidden.device)]  # (B, width, H): one gather
+        out = out.masked_fill_(~real.to(out.device).unsqueeze(-1), 0.0)  # padding rows are zero
         return {"inputs_embeds": out.to(device), "attention_mask": self.attention_mask[idx, :width].to(device),
                 "labels": self.labels[idx].to(device)}
 
 
 def build_prefix_cache(model, data, *, device: torch.device, batch_size: int = 256, log=None) -> CachedPrefixSplit:
     """Run the frozen prefix (embeddings and the layers below the lowest adapter) over ``data``
-    once, in eval mode, and keep each row's real tokens. Rows are attended only by their real
-    tokens, so trimming the padding does not change what the layers above compute for them."""
+    once, in eval mode, and keep each row's real tokens, on ``device``. Rows are attended only by
+    their real tokens, so trimming the padding does not change what the layers above compute for
+    them. The log line says nothing of the silo's data beyond what its process already shows."""
     layer = lowest_adapted_layer(model)
+    device = torch.device(device)
     was_training = model.training
     model.eval()
     lengths = data.attention_mask.sum(dim=1)
@@ -143,19 +148,19 @@ def build_prefix_cache(model, data, *, device: torch.device, batch_size: int = 2
     try:
         for start in range(0, len(data), batch_size):
             idx = order[start:start + batch_size]
-            h = _prefix_hidden(model, data.batch(idx, device), layer).float().cpu()
+            h = _prefix_hidden(model, data.batch(idx, device), layer).float().to(device)
             if hidden is None:
-                hidden = torch.empty(int(offsets[-1]), h.shape[-1], dtype=torch.float32)
-            for row, i in enumerate(idx.tolist()):
-                n = int(lengths[i])
-                hidden[int(offsets[i]):int(offsets[i]) + n] = h[row, :n]
+                hidden = torch.empty(int(offsets[-1]), h.shape[-1], dtype=torch.float32, device=device)
+            width = h.shape[1]
+            real = data.attention_mask[idx, :width].bool()  # each row's real tokens come first
+            rows = (offsets[idx].unsqueeze(1) + torch.arange(width))[real]
+            hidden.index_copy_(0, rows.to(device), h[real.to(device)])
     finally:
         model.train(was_training)
     if hidden is None:
-        hidden = torch.empty(0, 0)
+        hidden = torch.empty(0, 0, device=device)
     if log is not None:
-        log.info("frozen-prefix cache: %d rows, layers below %d, %.0f MB, built in %.1f s", len(data), layer,
-                 hidden.numel() * 4 / 2**20, time.perf_counter() - t0)
+        log.debug("frozen-prefix cache: layers below %d, built in %.1f s", layer, time.perf_counter() - t0)
     return CachedPrefixSplit(hidden, offsets, data.attention_mask, data.labels, layer,
                              declared_size=getattr(data, "declared_size", None))
 

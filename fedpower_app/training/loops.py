@@ -57,17 +57,36 @@ def batch_indices(n: int, batch_size: int, steps: int, generator: torch.Generato
     return out
 
 
-@contextlib.contextmanager
-def _autocast(device: torch.device, precision: str = "auto"):
-    """The forward's precision (``train.precision``): the forward under bf16 autocast or not; the
-    adapters' weights, the optimizer and the DP arithmetic (per-example norms, clip, noise) stay
-    float32 either way. "auto" is bf16 on a GPU and float32 on a CPU; "bf16" forces it on a CPU too, where
-    it is 1.48x faster per DP-SGD step on a CPU with AVX512-BF16 (BENCHMARKS.md, "bf16 on a
-    CPU"). On a CPU it also takes the math attention kernel: the fused CPU kernel's bf16 backward
-    is ~5x slower than its float32 one."""
+def uses_bf16(device: torch.device, precision: str = "auto") -> bool:
+    """Whether a forward on ``device`` runs under bf16 autocast for ``train.precision``: "bf16"
+    always; "auto" only on a GPU that computes bf16 natively (compute capability 8.0 and up: A100,
+    H100, H200), never where it would be emulated; "fp32" never."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
-    bf16 = precision == "bf16" or (precision == "auto" and device.type == "cuda")
+    if precision == "bf16":
+        return True
+    return precision == "auto" and device.type == "cuda" and cuda_has_native_bf16(device)
+
+
+@functools.lru_cache(maxsize=None)
+def cuda_has_native_bf16(device: torch.device) -> bool:
+    """A CUDA device of compute capability 8.0 or more (its tensor cores take bf16)."""
+    try:
+        return torch.cuda.get_device_capability(device)[0] >= 8
+    except (RuntimeError, AssertionError):  # no such device, or CUDA not initialised
+        return False
+
+
+@contextlib.contextmanager
+def _autocast(device: torch.device, precision: str = "auto"):
+    """The forward's precision (``train.precision``, ``uses_bf16``): the forward under bf16 autocast
+    or not; the adapters' weights, the optimizer and the DP arithmetic (per-example norms, clip,
+    noise) stay float32 either way. "auto" is bf16 on a GPU with native bf16 and float32 elsewhere;
+    "bf16" forces it on a CPU too, where it is 1.48x faster per DP-SGD step on a CPU with
+    AVX512-BF16 (BENCHMARKS.md, "bf16 on a CPU"). On a CPU it also takes the math attention kernel:
+    the fused CPU kernel's bf16 backward is ~5x slower than its float32 one. Training and
+    evaluation take the same precision."""
+    bf16 = uses_bf16(device, precision)
     _announce_precision(device.type, precision, bf16)
     if not bf16:
         yield
@@ -116,13 +135,16 @@ class SiloStreams(NamedTuple):
     dp_noise: torch.Generator  # DP-SGD Gaussian noise (sample level, noise on the silo)
 
 
-def silo_randomness(noise, partition_id: int, server_round: int) -> SiloStreams:
+def silo_randomness(noise, partition_id: int, server_round: int, device: torch.device | str = "cpu") -> SiloStreams:
     """The random streams of one silo's round, from the run's ``NoiseSource`` (seeded per (silo,
     round), or OS entropy when hardened). One naming scheme for the ClientApp and the benchmarks'
-    bare loop, so both do the same work."""
+    bare loop, so both do the same work. The DP-SGD noise generator lives on ``device``, the
+    device of the gradients it noises (torch draws a CUDA tensor only from a CUDA generator); the
+    sampling coins stay on the CPU, where the batch indices are drawn. A seeded run therefore
+    repeats on the same kind of device; a CPU and a GPU draw different noise from the same seed."""
     return SiloStreams(noise.generator(f"example-sampling/{partition_id}", server_round),
                        noise.stream_seed(f"dropout/{partition_id}", server_round),
-                       noise.generator(f"dp-sgd-noise/{partition_id}", server_round))
+                       noise.generator(f"dp-sgd-noise/{partition_id}", server_round, device=torch.device(device)))
 
 
 @contextlib.contextmanager
@@ -245,6 +267,21 @@ def keep_optimizer(opt, params, *, kind: str, carry: dict | None) -> None:
     carry.update(kind=kind, shapes=[tuple(p.shape) for p in params], state=copy.deepcopy(opt.state_dict()))
 
 
+class LossSum:
+    """The training loss summed on the device: one host sync per round (``mean``), not one per
+    chunk (a ``float(loss)`` in the loop stalls a GPU until the chunk's kernels finish)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.total = torch.zeros((), dtype=torch.float64, device=device)
+
+    def add(self, loss: torch.Tensor, weight: float) -> None:
+        self.total += loss.detach().double() * weight
+
+    def mean(self, steps: int) -> float:
+        """The mean over ``steps`` non-empty steps of each step's batch-weighted loss (nan if none)."""
+        return float(self.total) / steps if steps else math.nan
+
+
 def training_loss(out, batch, label_smoothing: float = 0.0) -> torch.Tensor:
     """A batch's mean training loss: the model's cross-entropy, or with ``train.label-smoothing``
     s > 0 cross-entropy against torch's smoothed targets (1 - s/2 on the true class of two, s/2 on
@@ -288,44 +325,47 @@ def _train_steps(model, data: TokenizedSplit, *, steps: int, batch_size: int, lr
     opt = local_optimizer(optimizer_groups(model.named_parameters(), head_lr_scale), lr=lr, kind=optimizer,
                           adam_eps=adam_eps)
     resume_optimizer(opt, params, lr=lr, kind=optimizer, carry=optimizer_carry)
-    total, count, seen, empty = 0.0, 0, 0, 0
+    losses = LossSum(device)
+    count, seen, empty = 0, 0, 0
     for idx in batch_indices(len(data), batch_size, steps, generator, poisson, rate_size=getattr(data, "dp_size", None)):
         if len(idx) == 0:
             empty += 1
             continue
         opt.zero_grad(set_to_none=True)
         # The batch's mean gradient, accumulated over physical chunks (peak memory set by the chunk).
-        batch_loss = 0.0
         for chunk in physical_chunks(data, idx, chunk_size):
             batch = data.batch(chunk, device)
             with _autocast(device, precision):
                 out = model(**batch)
             loss = training_loss(out, batch, label_smoothing)
             (loss * (len(chunk) / len(idx))).backward()
-            batch_loss += float(loss.detach()) * len(chunk)
+            losses.add(loss, len(chunk) / len(idx))
         opt.step()
-        total += batch_loss / len(idx)
         count += 1
         seen += len(idx)
     keep_optimizer(opt, params, kind=optimizer, carry=optimizer_carry)
-    return TrainStats(loss=total / count if count else math.nan, steps=steps, examples_seen=seen, empty_steps=empty)
+    return TrainStats(loss=losses.mean(count), steps=steps, examples_seen=seen, empty_steps=empty)
 
 
 @torch.no_grad()
-def evaluate(model, data: TokenizedSplit, *, batch_size: int, device: torch.device,
-             logits_out: list | None = None) -> dict[str, float]:
-    """Accuracy and mean cross-entropy on a split. ``logits_out``, if given, receives the logits
+def evaluate(model, data: TokenizedSplit, *, batch_size: int, device: torch.device | None = None,
+             logits_out: list | None = None, precision: str = "auto") -> dict[str, float]:
+    """Accuracy and mean cross-entropy on a split, at ``precision`` (``train.precision``: the same
+    as training). ``device``: the model's (default). ``logits_out``, if given, receives the logits
     (float32, CPU) batch by batch."""
     model.eval()
-    correct, loss_sum, n = 0, 0.0, len(data)
+    device = next(model.parameters()).device if device is None else torch.device(device)
+    correct = torch.zeros((), dtype=torch.long, device=device)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    n = len(data)
     for start in range(0, n, batch_size):
         idx = torch.arange(start, min(n, start + batch_size))
         batch = data.batch(idx, device)
-        with _autocast(device):
+        with _autocast(device, precision):
             out = model(**batch)
         logits = out.logits.float()
         if logits_out is not None:
             logits_out.append(logits.detach().cpu())
-        loss_sum += float(torch.nn.functional.cross_entropy(logits, batch["labels"], reduction="sum"))
-        correct += int((logits.argmax(-1) == batch["labels"]).sum())
-    return {"accuracy": correct / max(n, 1), "loss": loss_sum / max(n, 1), "num-examples": n}
+        loss_sum += torch.nn.functional.cross_entropy(logits, batch["labels"], reduction="sum").double()
+        correct += (logits.argmax(-1) == batch["labels"]).sum()
+    return {"accuracy": int(correct) / max(n, 1), "loss": float(loss_sum) / max(n, 1), "num-examples": n}

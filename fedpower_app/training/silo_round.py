@@ -26,8 +26,8 @@ def train_round(cfg, model, data, *, partition_id: int, server_round: int, train
         raise ValueError(f"train-lora must be 'AB' or 'B', got {train_lora!r}")
     M.set_trainable(model, train_a="A" in train_lora, train_b=True)
     noise = NoiseSource(cfg["seed"], cfg["dp.noise"])
-    streams = silo_randomness(noise, partition_id, server_round)
     device = next(model.parameters()).device
+    streams = silo_randomness(noise, partition_id, server_round, device)
     lr = round_lr(cfg["train.lr"], cfg["train.lr-schedule"], server_round, cfg["num-server-rounds"])
     if params is not None:
         return dp_sgd_train_local(model, data, params=params, lr=lr,
