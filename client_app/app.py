@@ -61,12 +61,17 @@ def _config(items: tuple) -> RunConfig:
     return parse_config(dict(items))
 
 
-def _setup(context: Context):
+def silo_run_config(context: Context) -> RunConfig:
+    """The run configuration as this silo applies it: the run config, with the SuperNode's own
+    choice of device (node config ``device = "cuda:1"`` on a multi-GPU host) where it makes one."""
     items = dict(context.run_config)
     if str(context.node_config.get("device", "")).strip():
-        # A SuperNode's own choice of device (node config device = "cuda:1" on a multi-GPU host).
         items["device"] = str(context.node_config["device"]).strip()
-    cfg = _config(tuple(sorted(items.items())))
+    return _config(tuple(sorted(items.items())))
+
+
+def _setup(context: Context):
+    cfg = silo_run_config(context)
     local_dir = context.node_config.get("data-dir")
     if local_dir:
         # A real silo with its own files (--node-config 'data-dir="/data/sst2" silo-id=0'): the whole

@@ -43,7 +43,17 @@ def _stop_all(procs: dict, logs: dict) -> None:
         fh.close()
 
 
-def test_superlink_and_two_supernodes(tmp_path):
+def _bin(name: str) -> str:
+    """A Flower command: beside this Python, else on PATH (wheels installed with pip --target)."""
+    import shutil
+
+    return str(BIN / name) if (BIN / name).exists() else (shutil.which(name) or str(BIN / name))
+
+
+def run_two_supernode_deployment(tmp_path, *, node_config: str = "", run_overrides: dict | None = None) -> dict:
+    """A SuperLink and two SuperNodes (node config ``partition-id=i num-partitions=2`` plus
+    ``node_config``) on localhost, one round of conf/tiny.toml through ``flwr run``; returns the
+    run's results.json after asserting that Flower saw it complete."""
     home = tmp_path / "flwr-home"
     home.mkdir()
     port = free_port()
@@ -52,7 +62,7 @@ def test_superlink_and_two_supernodes(tmp_path):
     env = flwr_env(home)
     procs = []
     try:
-        procs.append(subprocess.Popen([str(BIN / "flower-superlink"), "--insecure", "--host", "127.0.0.1", "--port", str(port),
+        procs.append(subprocess.Popen([_bin("flower-superlink"), "--insecure", "--host", "127.0.0.1", "--port", str(port),
                                        "--database", ":flwr-in-memory:", "--disable-runtime-dependency-installation"],
                                       env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         deadline = time.time() + 60
@@ -64,23 +74,22 @@ def test_superlink_and_two_supernodes(tmp_path):
                 assert time.time() < deadline, "SuperLink did not start"
                 time.sleep(0.5)
         for i in range(2):
-            procs.append(subprocess.Popen([str(BIN / "flower-supernode"), "--insecure", "--superlink", f"127.0.0.1:{port}",
-                                           "--port", str(free_port()), "--node-config", f"partition-id={i} num-partitions=2",
+            procs.append(subprocess.Popen([_bin("flower-supernode"), "--insecure", "--superlink", f"127.0.0.1:{port}",
+                                           "--port", str(free_port()), "--node-config",
+                                           f"partition-id={i} num-partitions=2 {node_config}".strip(),
                                            "--max-retries", "5"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         out = tmp_path / "outputs"
         overrides = run_config_arg({**load_preset(PROJECT_ROOT / "conf" / "tiny.toml"), "output-dir": str(out),
                                     "run-name": "deploy", "num-server-rounds": 1, "strategy.client-rate": 1.0,
-                                    "dp.diagnostics": "released"})
-        run = subprocess.run([str(BIN / "flwr"), "run", str(PROJECT_ROOT), "deploy", "--stream",
+                                    "dp.diagnostics": "released", **(run_overrides or {})})
+        run = subprocess.run([_bin("flwr"), "run", str(PROJECT_ROOT), "deploy", "--stream",
                               "--run-config", overrides],
                              env=env, capture_output=True, text=True, timeout=900)
-        ls = subprocess.run([str(BIN / "flwr"), "ls", "deploy", "--format", "json"], env=env, capture_output=True,
+        ls = subprocess.run([_bin("flwr"), "ls", "deploy", "--format", "json"], env=env, capture_output=True,
                             text=True, timeout=60)
         runs = json.loads(ls.stdout)["runs"]
         assert runs and runs[0]["status"] == "finished:completed", run.stdout[-3000:] + run.stderr[-2000:]
-        results = json.loads((out / "deploy" / "results.json").read_text())
-        assert results["status"] == "completed" and results["clients"]["count"] == 2
-        assert results["rounds"][0]["aggregated"] == 2
+        return json.loads((out / "deploy" / "results.json").read_text())
     finally:
         for p in procs:
             p.terminate()
@@ -89,6 +98,12 @@ def test_superlink_and_two_supernodes(tmp_path):
                 p.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 p.kill()
+
+
+def test_superlink_and_two_supernodes(tmp_path):
+    results = run_two_supernode_deployment(tmp_path)
+    assert results["status"] == "completed" and results["clients"]["count"] == 2
+    assert results["rounds"][0]["aggregated"] == 2
 
 
 def _start_superlink(env, port, *, creds=None, log=None):
