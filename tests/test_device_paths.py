@@ -176,3 +176,32 @@ def test_a_checkpoint_loads_onto_the_cpu(tmp_path):
                                   "global_state": {"a": torch.ones(2)}})
     payload = CK.load_checkpoint(tmp_path, config=cfg, strategy="fedlora")
     assert payload["global_state"]["a"].device.type == "cpu"
+
+
+def test_a_simulation_says_where_its_silos_will_train():
+    from fedpower_app.runs.spec import gpu_placement
+
+    refusal, _ = gpu_placement("cuda", 0.0)
+    assert refusal and "--gpus-per-client > 0" in refusal
+    refusal, _ = gpu_placement("auto", 0.25, cuda_visible=False)
+    assert refusal and "never schedule" in refusal
+    _, warning = gpu_placement("auto", 0.0, cuda_visible=True)
+    assert warning and "every silo trains on the CPU" in warning and "server runs on the GPU" in warning
+    assert gpu_placement("auto", 0.25, cuda_visible=True) == (None, None)
+    assert gpu_placement("cpu", 0.0) == (None, None)
+
+
+def test_a_gpu_grid_asks_ray_for_gpus_and_is_refused_where_there_are_none(tmp_path):
+    from fedpower_app.config import PROJECT_ROOT
+    from fedpower_app.experiment.cli import build_spec, make_parser
+    from fedpower_app.experiment.spec import GridError, check_gpu_placement
+
+    args = make_parser().parse_args(["--grid", str(PROJECT_ROOT / "conf/grids/paper.toml"), "--table", "1",
+                                     "--out", str(tmp_path)])
+    spec, _out = build_spec(args)
+    assert spec.gpus_per_client == 0.25 and spec.to_dict()["gpus_per_client"] == 0.25
+    with pytest.raises(GridError, match="no CUDA GPU"):
+        check_gpu_placement(spec)  # this machine has none (tests/conftest.py hides any)
+    args = make_parser().parse_args(["--grid", str(PROJECT_ROOT / "conf/grids/paper.toml"), "--table", "1",
+                                     "--out", str(tmp_path), "--gpus-per-client", "0"])
+    assert build_spec(args)[0].gpus_per_client == 0.0

@@ -52,7 +52,8 @@ def run_cell(spec: GridSpec, cell: Cell, out: Path, *, flwr_home: Path, port: in
     watchdog = _Watchdog(timeout) if timeout else None
     try:
         outcome = run_flwr(PROJECT_ROOT, overrides, num_supernodes=spec.supernodes, flwr_home=flwr_home,
-                           superlink_port=port, echo=echo, timeout=timeout)
+                           superlink_port=port, echo=echo, timeout=timeout, cpus_per_client=spec.cpus_per_client,
+                           gpus_per_client=spec.gpus_per_client)
         entry.update(run_id=outcome.run_id, flwr_status=outcome.status, seconds=round(outcome.seconds, 1))
         output = outcome.output
     except Exception as exc:  # launcher problem (flwr missing, ...): the cell failed, the grid goes on

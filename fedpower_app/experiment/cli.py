@@ -98,7 +98,8 @@ def _load_grid_file(path: str) -> dict[str, Any]:
 
 _GRID_KEYS = {"out", "cell-timeout", "preset", "tasks", "seeds", "methods", "epsilons", "overrides", "method-overrides",
               "private-method-overrides", "nonprivate-overrides", "nonprivate-method-overrides",
-              "data-dir", "nonprivate-lr", "supernodes", "backend", "threads", "table1", "table2", "table3"}
+              "data-dir", "nonprivate-lr", "supernodes", "backend", "threads", "cpus-per-client", "gpus-per-client",
+              "table1", "table2", "table3"}
 
 
 def _parse_set(items: Sequence[str]) -> dict[str, Any]:
@@ -143,6 +144,8 @@ def build_spec(args: argparse.Namespace) -> tuple[GridSpec, Path]:
     supernodes = args.supernodes if args.supernodes is not None else int(g.get("supernodes", 6))
     backend = args.backend or g.get("backend", "flwr")
     threads = args.threads if args.threads is not None else g.get("threads")
+    cpus_per_client = args.cpus_per_client if args.cpus_per_client is not None else g.get("cpus-per-client", 1.0)
+    gpus_per_client = args.gpus_per_client if args.gpus_per_client is not None else g.get("gpus-per-client", 0.0)
 
     cli_eps = [parse_epsilon(e) for e in args.epsilons] if args.epsilons else None
     file_eps = [parse_epsilon(e) for e in g["epsilons"]] if g.get("epsilons") else None
@@ -170,6 +173,7 @@ def build_spec(args: argparse.Namespace) -> tuple[GridSpec, Path]:
     spec = GridSpec(tasks=list(tasks), seeds=seeds, tables=tables, custom=custom, preset=preset,
                     overrides=overrides, data_dir=data_dir or None, nonprivate_lr=nonprivate_lr, supernodes=supernodes,
                     backend=str(backend), threads=None if threads is None else int(threads),
+                    cpus_per_client=float(cpus_per_client), gpus_per_client=float(gpus_per_client),
                     method_overrides={canonical_method(str(m)): (dict(v) if isinstance(v, dict) else v)
                                       for m, v in per_method["method-overrides"].items()},
                     private_method_overrides={canonical_method(str(m)): (dict(v) if isinstance(v, dict) else v)
@@ -212,6 +216,11 @@ def make_parser() -> argparse.ArgumentParser:
                         "real ServerApp and ClientApp in one child process with one model for all virtual clients "
                         "(client-level DP with 1,000 clients on a CPU; not a deployment path)")
     r.add_argument("--threads", type=int, metavar="N", help="torch threads of an inprocess cell (default: torch's)")
+    r.add_argument("--cpus-per-client", type=float, metavar="N",
+                   help="Ray CPUs of each ClientApp in a flwr cell (default 1; grid key cpus-per-client)")
+    r.add_argument("--gpus-per-client", type=float, metavar="F",
+                   help="Ray GPUs of each ClientApp in a flwr cell (default 0: the silos train on the CPU; "
+                        "0.25 = 4 ClientApps per GPU; grid key gpus-per-client; fedpower-memory sizes it)")
     r.add_argument("--dry-run", action="store_true", help="list the cells, where each stands and the cell time left; run nothing")
     r.add_argument("--report-only", action="store_true", help="only (re)write tables and figures from finished cells")
     r.add_argument("--pack", action="store_true",

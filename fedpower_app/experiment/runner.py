@@ -10,7 +10,7 @@ from typing import Any, Sequence
 from ..runs import default_flwr_home, default_port
 from ..config import PROJECT_ROOT
 
-from .spec import FINISHED, FORMAT, GridError, GridSpec, cell_overrides, validate
+from .spec import FINISHED, FORMAT, GridError, GridSpec, cell_overrides, check_gpu_placement, validate
 from .store import GridBusy, Manifest, PROBE_PATIENCE_S, _fmt_seconds, _held, _inside, _try_lock, cell_status, config_changes, is_done, is_finished, read_results, results_path, resumable_round
 from .backends import run_cell
 
@@ -31,6 +31,7 @@ def run_grid(spec: GridSpec, out: Path, *, flwr_home: Path | None = None, port: 
     if spec.backend == "flwr" and _inside(flwr_home, PROJECT_ROOT):
         raise GridError(f"the Flower home {flwr_home} is inside the app directory {PROJECT_ROOT}: `flwr run` would "
                         "package the installed apps into every FAB; choose a directory outside it")
+    check_gpu_placement(spec)
     port = port or default_port(out)
     # Flower cells share one local SuperLink, which an invocation stops when it ends: one
     # invocation per grid. In-process cells are independent child processes: several invocations

@@ -171,6 +171,10 @@ class GridSpec:
     supernodes: int = 6
     backend: str = "flwr"  # one of BACKENDS
     threads: int | None = None  # torch threads of an in-process cell (None: torch's default)
+    # Ray resources of each ClientApp in a flwr cell (fedpower-run's --cpus-per-client, --gpus-per-client):
+    # a ClientApp that reserves no GPU does not see one
+    cpus_per_client: float = 1.0
+    gpus_per_client: float = 0.0
     # run-config overrides of one method's cells (e.g. FFA-LoRA's own learning rate); applied last
     method_overrides: dict[str, dict[str, Any]] = field(default_factory=dict)
     # the same for the method's private cells only, applied after method_overrides
@@ -275,6 +279,8 @@ class GridSpec:
             "supernodes": self.supernodes,
             "backend": self.backend,
             "threads": self.threads,
+            "cpus_per_client": self.cpus_per_client,
+            "gpus_per_client": self.gpus_per_client,
             "method_overrides": self.method_overrides,
             "private_method_overrides": self.private_method_overrides,
             "nonprivate_overrides": self.nonprivate_overrides,
@@ -291,6 +297,8 @@ class GridSpec:
                    preset=d.get("preset"), overrides=dict(d.get("overrides") or {}), data_dir=d.get("data_dir"),
                    nonprivate_lr=d.get("nonprivate_lr"), supernodes=int(d.get("supernodes", 6)),
                    backend=str(d.get("backend", "flwr")), threads=d.get("threads"),
+                   cpus_per_client=float(d.get("cpus_per_client", 1.0)),
+                   gpus_per_client=float(d.get("gpus_per_client", 0.0)),
                    method_overrides={str(m): dict(v) for m, v in (d.get("method_overrides") or {}).items()},
                    private_method_overrides={str(m): dict(v)
                                              for m, v in (d.get("private_method_overrides") or {}).items()},
@@ -346,6 +354,22 @@ _CELL_KEYS = frozenset({"strategy.name", "strategy.refactor-every", "strategy.cl
                         "dp.epsilon", "seed", "run-name", "output-dir", "task.name", "task.data-dir", "resume"})
 
 
+def check_gpu_placement(spec: GridSpec) -> None:
+    """Before a flwr cell runs: refuse ClientApps that reserve GPUs on a machine without any, and
+    warn when a visible GPU would sit idle (``runs.spec.gpu_placement``). A dry run plans a GPU
+    grid on any machine, so this is the runner's check, not ``validate``'s."""
+    if spec.backend != "flwr":
+        return
+    from ..runs.spec import gpu_placement
+
+    refusal, warning = gpu_placement(str(spec.overrides.get("device", "auto")), spec.gpus_per_client,
+                                     server_device=str(spec.overrides.get("server-device", "auto")))
+    if refusal:
+        raise GridError(refusal)
+    if warning:
+        print(f"fedpower-experiment: warning: {warning}", flush=True)
+
+
 def validate(spec: GridSpec, out: Path) -> list[Cell]:
     """Check the whole grid before running anything (unknown keys/values fail here, exit 2)."""
     if not spec.tasks:
@@ -398,6 +422,9 @@ def validate(spec: GridSpec, out: Path) -> list[Cell]:
         raise GridError("the inprocess backend needs --supernodes >= 2 (the number of virtual clients)")
     if spec.threads is not None and spec.threads < 1:
         raise GridError("--threads must be >= 1")
+    if spec.cpus_per_client <= 0 or spec.gpus_per_client < 0:
+        raise GridError("--cpus-per-client must be > 0 and --gpus-per-client >= 0")
+
     cells = spec.cells()
     for cell in cells:
         try:

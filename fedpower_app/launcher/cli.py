@@ -154,7 +154,7 @@ def resumed_supernodes(run_dir: str | Path, requested: int | None) -> int:
 
 def check_launch(overrides: dict[str, Any], *, app_dir: str | Path = PROJECT_ROOT, num_supernodes: int = 6,
                  cpus_per_client: float = 1, gpus_per_client: float = 0.0,
-                 flwr_home: str | Path | None = None) -> RunConfig:
+                 flwr_home: str | Path | None = None, backend: str = "flwr") -> RunConfig:
     """Every check that needs no data, before anything starts: the merged run config as the ServerApp
     will validate it, and its consistency with the simulation flags. Raises ConfigError."""
     pyproject = Path(app_dir) / "pyproject.toml"
@@ -172,9 +172,14 @@ def check_launch(overrides: dict[str, Any], *, app_dir: str | Path = PROJECT_ROO
     if data_dir and not Path(data_dir).expanduser().exists():
         raise ConfigError(f"config key 'task.data-dir' = {data_dir!r} does not exist (relative paths are resolved "
                           f"against the current directory {Path.cwd()})")
-    if cfg["device"] == "cuda" and gpus_per_client == 0:
-        raise ConfigError("config key 'device' = 'cuda' needs --gpus-per-client > 0 (Ray hides the GPUs from "
-                          "ClientApps that reserve none)")
+    from ..runs.spec import gpu_placement
+
+    refusal, warning = (gpu_placement(cfg["device"], gpus_per_client, server_device=cfg["server-device"])
+                        if backend == "flwr" else (None, None))  # in-process: one process, no Ray to hide a GPU
+    if refusal:
+        raise ConfigError(refusal)
+    if warning:
+        print(f"fedpower-run: warning: {warning}", file=sys.stderr, flush=True)
     home, app = _home(flwr_home), Path(app_dir).expanduser().resolve()
     if home == app or app in home.parents:
         raise ConfigError(f"the Flower home {home} is inside the app directory {app}: `flwr run` would package the "
@@ -319,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
                                                                        spec.gpus_per_client)
         cfg = check_launch(overrides, app_dir=args.app, num_supernodes=args.supernodes,
                            cpus_per_client=args.cpus_per_client, gpus_per_client=args.gpus_per_client,
-                           flwr_home=args.flwr_home)
+                           flwr_home=args.flwr_home, backend=spec.backend)
         ray_address = check_ray(args, spec.backend)
         if not args.resume:  # name the run now, so that its spec is in its directory before it starts
             if not cfg["run-name"]:

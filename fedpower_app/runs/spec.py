@@ -74,3 +74,32 @@ class RunSpec:
 def default_run_name(cfg: RunConfig) -> str:
     """``<strategy>-<task>-<timestamp>``: the name of a run whose ``run-name`` is empty."""
     return f"{cfg['strategy.name']}-{cfg['task.name']}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def gpu_placement(device: str, gpus_per_client: float, *, server_device: str = "auto",
+                  cuda_visible: bool | None = None) -> tuple[str | None, str | None]:
+    """Where a Ray simulation's silos and server will run, checked before anything starts:
+    (a reason to refuse, a warning), each None when there is none.
+
+    Ray hides the GPUs from a ClientApp that reserves none, so ``device = "auto"`` without
+    ``--gpus-per-client`` trains every silo on the CPU while the ServerApp, outside Ray, takes the
+    GPU; and ClientApps that reserve GPUs on a machine without any are never scheduled."""
+    wants_gpu = device.startswith("cuda")
+    if gpus_per_client == 0 and wants_gpu:
+        return (f"config key 'device' = '{device}' needs --gpus-per-client > 0 (Ray hides the GPUs from "
+                "ClientApps that reserve none)"), None
+    if cuda_visible is None:
+        if gpus_per_client == 0 and device == "cpu" and server_device in ("auto", "cpu"):
+            return None, None  # nothing here touches a GPU: do not import torch to look
+        import torch
+
+        cuda_visible = torch.cuda.is_available()
+    if gpus_per_client > 0 and not cuda_visible:
+        return (f"--gpus-per-client {gpus_per_client:g} but this machine shows no CUDA GPU: Ray would never "
+                "schedule the ClientApps (leave it at 0 to train on the CPU)"), None
+    if gpus_per_client == 0 and device == "auto" and cuda_visible:
+        server = "the CPU" if server_device == "cpu" else "the GPU"
+        return None, (f"a GPU is visible, but --gpus-per-client is 0: every silo trains on the CPU (Ray hides the "
+                      f"GPU from its ClientApps) and the server runs on {server}. Pass --gpus-per-client (e.g. "
+                      "0.25 for 4 ClientApps per GPU; fedpower-memory sizes it), or set device = \"cpu\" to say so")
+    return None, None
