@@ -33,7 +33,8 @@ from fedpower_app import model as M
 from fedpower_app.config import RunConfig, parse_config
 from fedpower_app.training.dp_sgd import DPSGDParams
 from fedpower_app.training.silo_round import train_round
-from fedpower_app.privacy.accounting.silo import SILO_DEFAULT_DELTA, SiloLedger, SiloRefusal, paid_params, silo_gate
+from fedpower_app.privacy.accounting.silo import SiloLedger, SiloRefusal, paid_params, silo_gate
+from fedpower_app.privacy.silo_policy import SiloPolicy
 from fedpower_app.training import evaluate as evaluate_model
 
 RUNTIME_RECORD = "runtime"  # reply record of where the ClientApp ran (issue #35); not data, not a metric of it
@@ -155,8 +156,13 @@ def dp_sgd_params(config) -> DPSGDParams | None:
         raise SiloRefusal(f"refused: incomplete or malformed DP-SGD parameters ({exc})") from exc
 
 
+def policy_of(context: Context, cfg: RunConfig) -> SiloPolicy:
+    """This silo's privacy policy (``fedpower_app.privacy.silo_policy``), from its own node config."""
+    return SiloPolicy.from_node_config(context.node_config, cfg)
+
+
 def silo_policy(cfg: RunConfig, node_config) -> tuple[bool, float, float]:
-    """(requires DP-SGD, budget epsilon, delta) of this silo.
+    """(requires DP-SGD, budget epsilon, delta) of this silo (``SiloPolicy``).
 
     A silo sets its own budget with node config ``dp-max-epsilon`` (and optionally ``dp-delta``);
     it then refuses any round without DP-SGD parameters, whatever the run config says, and its δ
@@ -164,22 +170,22 @@ def silo_policy(cfg: RunConfig, node_config) -> tuple[bool, float, float]:
     server that raised δ would buy itself rounds. Without a budget the silo follows the run config:
     DP-SGD required when dp.level = sample and dp.noise-at = silo, with the run's (dp.epsilon,
     dp.delta) as its budget."""
-    if "dp-max-epsilon" in node_config:
-        return True, float(node_config["dp-max-epsilon"]), float(node_config.get("dp-delta", SILO_DEFAULT_DELTA))
-    required = cfg["dp.level"] == "sample" and cfg["dp.noise-at"] == "silo"
-    return required, cfg["dp.epsilon"], cfg["dp.delta"]
+    policy = SiloPolicy.from_node_config(node_config, cfg)
+    return policy.requires_dp, policy.max_epsilon, policy.delta
 
 
-def _ledger_file(context: Context) -> Path | None:
-    """Node config ``ledger-file``: the silo keeps its ledger on its own disk, across runs and server
-    restarts (Context.state lives only as long as one run)."""
-    raw = str(context.node_config.get("ledger-file", "")).strip()
-    return Path(raw).expanduser() if raw else None
+def _ledger_file(context: Context, cfg: RunConfig | None = None) -> Path | None:
+    """Where this silo keeps its ledger across runs and server restarts (node config ``ledger-file``,
+    by default in its data directory); None: in the run's state only (Context.state lives as long
+    as one run)."""
+    if cfg is None:
+        cfg = silo_run_config(context)
+    return policy_of(context, cfg).ledger_file
 
 
-def _load_ledger(context: Context, delta: float, accountant: str) -> tuple[SiloLedger, list]:
+def _load_ledger(context: Context, delta: float, accountant: str, cfg: RunConfig | None = None) -> tuple[SiloLedger, list]:
     """The silo's ledger and the (run, round) releases it already paid for (seeded runs)."""
-    path = _ledger_file(context)
+    path = _ledger_file(context, cfg)
     if path is not None and path.exists():
         try:
             saved = json.loads(path.read_text())
@@ -197,12 +203,16 @@ def _load_ledger(context: Context, delta: float, accountant: str) -> tuple[SiloL
     return ledger, paid
 
 
-def _save_ledger(context: Context, ledger: SiloLedger, paid: list) -> None:
+def _save_ledger(context: Context, ledger: SiloLedger, paid: list, cfg: RunConfig | None = None) -> None:
     state = json.dumps({"ledger": ledger.state_dict(), "paid": paid})
     context.state[LEDGER_KEY] = ConfigRecord({"state": state})
-    path = _ledger_file(context)
+    path = _ledger_file(context, cfg)
     if path is not None:
-        write_atomic(path, state)
+        try:
+            write_atomic(path, state)
+        except OSError as exc:
+            raise SiloRefusal(f"refused: this silo cannot write its ledger file {path} ({exc}); set node config "
+                              "ledger-file to a writable path") from None
 
 
 OPTIMIZER_KEY = "optimizer-state"
@@ -228,8 +238,9 @@ def _keep_optimizer_carry(context: Context, carry: dict | None) -> None:
 
 
 def _release_key(cfg: RunConfig, server_round: int) -> str | None:
-    """A seeded round's identity: the same run configuration and round give the same draws, hence
-    the same release (a resumed run re-running a round the silo already paid for). Hardened: None."""
+    """A seeded round's identity: the same run configuration and round give the same draws (a
+    resumed run re-running a round the silo already paid for). Hardened: None. The release is the
+    same only on the same inputs too (``_release_inputs``), which the gate checks beside the key."""
     if cfg["dp.noise"] != "seeded":
         return None
     from fedpower_app.runs.checkpoint import config_fingerprint
@@ -237,17 +248,42 @@ def _release_key(cfg: RunConfig, server_round: int) -> str | None:
     return f"{config_fingerprint(cfg.to_dict())[:32]}:{server_round}"
 
 
-def _node_flag(context: Context, key: str) -> bool | None:
-    raw = context.node_config.get(key)
-    return None if raw is None else str(raw).lower() not in ("false", "0", "no")
+def _release_inputs(state: dict[str, torch.Tensor], context: Context) -> str:
+    """A digest of everything else a seeded release is a function of: the arrays the silo received
+    and the optimizer state it starts from (``train.optimizer-state = "run"``)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name in sorted(state):
+        tensor = state[name].detach().to("cpu").contiguous()
+        h.update(name.encode())
+        h.update(str(tuple(tensor.shape)).encode())
+        h.update(tensor.numpy().tobytes())
+    record = context.state.config_records.get(OPTIMIZER_KEY)
+    h.update(b"optimizer:" + (bytes(record["state"]) if record is not None else b""))
+    return h.hexdigest()[:32]
 
 
 def _sends_train_metrics(context: Context, cfg: RunConfig) -> bool:
     """Train loss, examples seen, training time: statistics of the silo's private data that no
-    noise covers. Node config ``send-metrics`` decides; without it a silo sends them only when the
-    run is non-private or releases its diagnostics (``dp.diagnostics = "released"``)."""
-    flag = _node_flag(context, "send-metrics")
-    return cfg.diagnostics_released if flag is None else flag
+    noise covers. The silo's policy decides: its node config ``send-metrics``; without it a silo of
+    its own (data-dir or budget) sends none, and a simulated partition sends them when the run is
+    non-private or releases its diagnostics (``dp.diagnostics = "released"``)."""
+    return policy_of(context, cfg).sends_metrics
+
+
+_ANNOUNCED: set = set()
+
+
+def _announce_policy(context: Context, cfg: RunConfig) -> None:
+    """Log this silo's policy once per run, at its first message; warn when a budget it enforces
+    lives in the run's state only without the operator having chosen it."""
+    if context.run_id in _ANNOUNCED:
+        return
+    _ANNOUNCED.add(context.run_id)
+    policy = policy_of(context, cfg)
+    log.info("%s", policy.describe())
+    _warn_if_ledger_is_per_run(context, cfg)
 
 
 _WARNED_NO_LEDGER_FILE: set = set()
@@ -255,22 +291,26 @@ _WARNED_NO_LEDGER_FILE: set = set()
 
 def _warn_if_ledger_is_per_run(context: Context, cfg: RunConfig) -> None:
     """A silo that keeps its ledger in Context.state only starts every new run from zero: say so,
-    once per run, at its first message."""
-    requires_dp, _eps, _delta = silo_policy(cfg, context.node_config)
-    if not requires_dp or _ledger_file(context) is not None or context.run_id in _WARNED_NO_LEDGER_FILE:
+    once per run, at its first message (unless its operator chose it: ledger-file = "memory")."""
+    policy = policy_of(context, cfg)
+    if (not policy.requires_dp or policy.ledger_file is not None or policy.ledger_in_memory_chosen
+            or context.run_id in _WARNED_NO_LEDGER_FILE):
         return
     _WARNED_NO_LEDGER_FILE.add(context.run_id)
     log.warning("silo: no node config ledger-file: this silo's DP ledger lives in this run's state only, so a new "
                 "run starts its budget from zero. Keep it across runs with --node-config "
-                "'ledger-file=\"/path/on/the/silo/ledger.json\" dp-max-epsilon=8' (docs/deployment.md)")
+                "'ledger-file=\"/path/on/the/silo/ledger.json\" dp-max-epsilon=8' (or ledger-file=\"memory\" to "
+                "choose this; docs/deployment.md)")
 
 
 @app.query()
 def query(msg: Message, context: Context) -> Message:
     cfg, pid, num, _task, _model, _tok = _setup(context)
-    _warn_if_ledger_is_per_run(context, cfg)
-    n = _shard(cfg, pid, num).dp_size  # the size it samples and accounts with
-    return Message(RecordDict({"metrics": MetricRecord({"num-examples": n, "partition-id": pid})}), reply_to=msg)
+    _announce_policy(context, cfg)
+    metrics = {"partition-id": pid}
+    if cfg["dp.level"] != "client":  # client-level accounting needs no shard size: the silo keeps it
+        metrics["num-examples"] = _shard(cfg, pid, num).dp_size  # the size it samples and accounts with
+    return Message(RecordDict({"metrics": MetricRecord(metrics)}), reply_to=msg)
 
 
 @app.train()
@@ -283,15 +323,19 @@ def train(msg: Message, context: Context) -> Message:
     if train_lora not in ("AB", "B"):
         raise ValueError(f"train-lora must be 'AB' or 'B', got {train_lora!r}")
     params = dp_sgd_params(config)
-    requires_dp, max_epsilon, delta = silo_policy(cfg, context.node_config)
+    policy = policy_of(context, cfg)
+    _announce_policy(context, cfg)
     ledger = None
-    if params is not None or requires_dp:
-        # The silo's own check, before its data is touched: it trusts only its own ledger.
-        _warn_if_ledger_is_per_run(context, cfg)
-        ledger, paid = _load_ledger(context, delta, cfg["dp.accountant"])
+    received = msg.content["arrays"].to_torch_state_dict()
+    if params is not None or policy.requires_dp:
+        # The silo's own check, before its data is touched: it trusts only its own policy and ledger.
+        ledger, paid = _load_ledger(context, policy.delta, cfg["dp.accountant"], cfg)
         key = _release_key(cfg, server_round)
-        sample_rate, charge = silo_gate(ledger, paid, key, params, shard.dp_size, max_epsilon=max_epsilon)
-    M.load_adapter_state(model, msg.content["arrays"].to_torch_state_dict())
+        inputs = _release_inputs(received, context) if key is not None else None
+        sample_rate, charge = silo_gate(ledger, paid, key, params, shard.dp_size, max_epsilon=policy.max_epsilon,
+                                        inputs=inputs)
+        policy.check_noise_mode(cfg)
+    M.load_adapter_state(model, received)
     M.set_trainable(model, train_a="A" in train_lora, train_b=True)  # before the frozen-prefix cache
     data = _training_split(cfg, pid, num, model)
     carry = _optimizer_carry(context, cfg)
@@ -302,11 +346,11 @@ def train(msg: Message, context: Context) -> Message:
         if charge:  # a seeded round re-run with the same parameters is the same release: paid once
             ledger.record(sample_rate, params.noise_multiplier, params.local_steps)
             if key is not None:
-                paid.append({"key": key, "params": paid_params(params, sample_rate)})
-        _save_ledger(context, ledger, paid)
+                paid.append({"key": key, "params": paid_params(params, sample_rate), "inputs": inputs})
+        _save_ledger(context, ledger, paid, cfg)
     _keep_optimizer_carry(context, carry)
     content = RecordDict({"arrays": ArrayRecord(reply_state(model, train_lora))})
-    if _sends_train_metrics(context, cfg):
+    if policy.sends_metrics:
         metrics = {
             "num-examples": len(shard),
             "train-loss": float(stats.loss) if stats.loss == stats.loss else -1.0,
@@ -319,15 +363,22 @@ def train(msg: Message, context: Context) -> Message:
     return Message(content, reply_to=msg)
 
 
+EVALUATE_COUNT_KEY = "evaluate-answers"
+
+
 @app.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
-    # Evaluation of the released model on the evaluation split is covered (post-processing of a
-    # release, on data that is not the training data); a silo may still refuse it outright.
-    if _node_flag(context, "send-metrics") is False:
-        raise SiloRefusal("refused: this silo sends no metrics (node config send-metrics = false)")
+    # Exact loss and accuracy, on this silo's evaluation rows, of arrays the server chose: no noise
+    # covers them. The silo's policy decides whether it answers, and how often (docs/privacy.md).
     cfg, pid, num, _task, model, _tok = _setup(context)
+    policy = policy_of(context, cfg)
+    _announce_policy(context, cfg)
+    record = context.state.config_records.get(EVALUATE_COUNT_KEY)
+    answered = int(record["count"]) if record is not None else 0
+    policy.check_evaluate(answered)
     M.load_adapter_state(model, msg.content["arrays"].to_torch_state_dict())
     device = next(model.parameters()).device
     res = evaluate_model(model, _eval_shard(cfg, pid, num), batch_size=cfg["eval.batch-size"], device=device,
                          precision=cfg["train.precision"])
+    context.state[EVALUATE_COUNT_KEY] = ConfigRecord({"count": answered + 1})
     return Message(RecordDict({"metrics": MetricRecord(res)}), reply_to=msg)

@@ -80,7 +80,7 @@ def query_sizes(grid: Grid, nodes, timeout: float) -> tuple[dict[int, int], dict
             continue
         try:
             metrics = reply.content.metric_records["metrics"]
-            sizes[node] = int(metrics["num-examples"])
+            sizes[node] = int(metrics.get("num-examples", 0))  # none at client level: withheld by the silo
             if "partition-id" in metrics:
                 partitions[node] = int(metrics["partition-id"])
         except (KeyError, TypeError, ValueError) as exc:
@@ -184,7 +184,7 @@ SILO_DP_ROUND_LABELS = {"powerdp": "refactor, DP-SGD on silos", "fedlora": "aver
                         "ffa": "average B, DP-SGD on silos", "fedsvd": "SVD refactor, DP-SGD on silos"}
 
 
-def progress_line(row: dict, metrics: MetricRecord | None, num_rounds: int, epsilon_target, wall: float,
+def progress_line(row: dict, metrics: MetricRecord | None, num_rounds: int, epsilon_target, wall: float | None,
                   round_seconds: float | None = None, label: str | None = None) -> str:
     """The console line of a round, from its (possibly redacted) results row: what the row does
     not carry (a private run's reply counts, see Disclosure) is not shown."""
@@ -204,8 +204,9 @@ def progress_line(row: dict, metrics: MetricRecord | None, num_rounds: int, epsi
         clients = f"clients {row['sampled']} sent{over}; replies withheld (dp.diagnostics = off) "
     else:
         clients = "clients withheld (dp.diagnostics = off) "
-    return (f"[round {row['server_round']}/{num_rounds} {label or row['round_type']}] {acc} | {eps} | {clients}"
-            + (f"| round {round_seconds:.1f} s " if round_seconds is not None else "") + f"| elapsed {wall:.1f} s")
+    timing = ((f"| round {round_seconds:.1f} s " if round_seconds is not None else "") + f"| elapsed {wall:.1f} s"
+              if wall is not None else "| times withheld (secret cohort)")
+    return f"[round {row['server_round']}/{num_rounds} {label or row['round_type']}] {acc} | {eps} | {clients}" + timing
 
 
 def check_released_rounds(rows: list[dict], round_type) -> None:
@@ -328,7 +329,7 @@ def engine_for(cfg: RunConfig, initial_state: dict, client_sizes: list[int]):
     modules, _extras = M.split_adapter_keys(initial_state)
     privacy = build_privacy(cfg, client_sizes=client_sizes, num_modules=len(modules))
     disclosure = Disclosure(private=privacy.enabled, diagnostics_released=cfg["dp.diagnostics"] == "released",
-                            noise_at=privacy.noise_at)
+                            noise_at=privacy.noise_at, client_level=cfg["dp.level"] == "client")
     return build_engine(cfg["strategy.name"], **engine_arguments(
         cfg, initial_state, privacy, population=list(range(len(client_sizes))),
         device=M.resolve_device(M.server_config(cfg)["device"]), disclosure=disclosure))
@@ -347,12 +348,18 @@ def _run(grid: Grid, cfg: RunConfig, run_dir: Path, results: ResultsWriter, chec
              cfg["model.name"], len(modules), cfg["lora.rank"], f", trainable head ({len(extras)} tensors)" if extras else "")
 
     sizes, partitions = discover_clients(grid, cfg)
-    problem = D.shard_size_problem(sum(sizes.values()), len(sizes), cfg["train.batch-size"], list(sizes.values()))
-    if problem:
-        raise ValueError(problem)  # before any round: the run fails with this reason in results.json
+    client_level = cfg["dp.level"] == "client"
+    if not client_level:  # client level: the silos do not send their sizes (its accounting needs none)
+        problem = D.shard_size_problem(sum(sizes.values()), len(sizes), cfg["train.batch-size"], list(sizes.values()))
+        if problem:
+            raise ValueError(problem)  # before any round: the run fails with this reason in results.json
     roster = Roster(grid, cfg, sizes, partitions)
-    results.set("clients", {"count": len(sizes), "dataset_sizes": sorted(sizes.values())})
-    log.info("%d clients, shard sizes %s", len(sizes), describe_sizes(sizes.values()))
+    if client_level:
+        results.set("clients", {"count": len(sizes), "dataset_sizes": ResultsWriter.WITHHELD})
+        log.info("%d clients (shard sizes withheld: client-level DP does not use them)", len(sizes))
+    else:
+        results.set("clients", {"count": len(sizes), "dataset_sizes": sorted(sizes.values())})
+        log.info("%d clients, shard sizes %s", len(sizes), describe_sizes(sizes.values()))
 
     privacy = build_privacy(cfg, client_sizes=sizes, num_modules=len(modules))
     results.set("privacy", privacy.describe())
@@ -363,7 +370,8 @@ def _run(grid: Grid, cfg: RunConfig, run_dir: Path, results: ResultsWriter, chec
     if privacy.enabled:
         (log.info if claim["valid"] else log.warning)("privacy: %s", claim["statement"])
     disclosure = Disclosure(private=privacy.enabled, diagnostics_released=cfg["dp.diagnostics"] == "released",
-                            noise_at=privacy.noise_at)
+                            noise_at=privacy.noise_at, client_level=client_level)
+    results.withheld = disclosure.withheld_totals()
     results.set("diagnostics", disclosure.label())
     if privacy.enabled:
         (log.warning if disclosure.full else log.info)("privacy: results.json and this log hold: %s", disclosure.label())
@@ -391,8 +399,9 @@ def _run(grid: Grid, cfg: RunConfig, run_dir: Path, results: ResultsWriter, chec
 
     def on_release(report: RoundReport) -> None:
         # The round's release is applied and charged: make it durable before anything derived from
-        # it leaves (evaluate messages, central evaluation, results.json, the console).
-        save_checkpoint(report.server_round, report.to_dict())
+        # it leaves (evaluate messages, central evaluation, results.json, the console). The pending
+        # row holds what results.json may show of the round, nothing more (no cohort, no node ids).
+        save_checkpoint(report.server_round, disclosure.round_row(report.to_dict()))
 
     full_rows: list[dict] = []  # this process' rounds, reply counts included (results.json may withhold them)
 
@@ -401,14 +410,18 @@ def _run(grid: Grid, cfg: RunConfig, run_dir: Path, results: ResultsWriter, chec
         row = disclosure.round_row(full_row)
         if metrics is not None:
             row.update({k: float(v) for k, v in metrics.items()})
-        row["wall_seconds"] = time.time() - t_start
+        if disclosure.shows_timing:  # with a secret cohort, a round's time would tell its size
+            row["wall_seconds"] = time.time() - t_start
         results.add_round(row)
         paper = getattr(privacy, "source", None) == "paper"
         target = cfg["dp.epsilon"] if privacy.enabled and not paper else None
-        previous = results.data["rounds"][-2]["wall_seconds"] if len(results.data["rounds"]) > 1 else 0.0
         label = SILO_DP_ROUND_LABELS.get(row["round_type"]) if privacy.noise_at == "silo" else None
-        line = progress_line(row, metrics, cfg["num-server-rounds"], target, row["wall_seconds"],
-                             row["wall_seconds"] - previous, label)
+        if disclosure.shows_timing:
+            previous = results.data["rounds"][-2].get("wall_seconds", 0.0) if len(results.data["rounds"]) > 1 else 0.0
+            line = progress_line(row, metrics, cfg["num-server-rounds"], target, row["wall_seconds"],
+                                 row["wall_seconds"] - previous, label)
+        else:
+            line = progress_line(row, metrics, cfg["num-server-rounds"], target, None, None, label)
         if paper:  # the paper's calibration: show the true epsilon, never the claimed one as a budget
             line = line.replace("| eps ", f"| TRUE eps (paper claims {cfg['dp.epsilon']:g}) ")
         log.info("%s", line)

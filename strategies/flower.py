@@ -162,10 +162,12 @@ class LoRAStrategy(RoundEngine, Strategy):
         return [Message(content=content, dst_node_id=n, message_type=MessageType.EVALUATE) for n in chosen]
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
-        total, acc, loss = 0, 0.0, 0.0
+        total, acc, loss, dropped = 0, 0.0, 0.0, 0
         for msg in replies:
             if msg.has_error() or not msg.has_content():
-                log.warning("round %d: dropped evaluate reply from node %s", server_round, msg.metadata.src_node_id)
+                dropped += 1
+                if self.disclosure.full:  # which silo refused is a statistic of private data: counted, not named
+                    log.warning("round %d: dropped evaluate reply from node %s", server_round, msg.metadata.src_node_id)
                 continue
             m = msg.content.metric_records.get("metrics")
             if m is None or "num-examples" not in m:
@@ -174,6 +176,9 @@ class LoRAStrategy(RoundEngine, Strategy):
             total += n
             acc += float(m.get("accuracy", 0.0)) * n
             loss += float(m.get("loss", 0.0)) * n
+        if dropped and not self.disclosure.full:
+            log.info("round %d: %d evaluate repl(ies) dropped (a silo may refuse to evaluate on its rows)",
+                     server_round, dropped)
         if total == 0:
             return None
         return MetricRecord({"accuracy": acc / total, "loss": loss / total, "num-examples": total})

@@ -174,6 +174,7 @@ class Disclosure:
     private: bool = False
     diagnostics_released: bool = False
     noise_at: str | None = None
+    client_level: bool = False
 
     COVERED_ROUND_FIELDS = ("server_round", "round_type", "epsilon", "noise_stds", "released")
     SCHEDULE_FIELDS = ("sampled", "over_budget", "bytes_down")
@@ -191,6 +192,30 @@ class Disclosure:
     def round_row(self, row: dict) -> dict:
         keep = self.round_fields()
         return dict(row) if keep is None else {k: v for k, v in row.items() if k in keep}
+
+    @property
+    def shows_timing(self) -> bool:
+        """Per-round wall time: with noise on the server it is about proportional to the secret
+        cohort's size (each sampled silo trains), so it is shown only where the cohort is not secret."""
+        return self.full or self.noise_at == "silo"
+
+    @property
+    def shows_sizes(self) -> bool:
+        """The silos' shard sizes: client-level accounting does not use them, so they are withheld."""
+        return self.full or not self.client_level
+
+    #: results.json totals and the round fields each sums (a total of withheld fields is withheld too)
+    TOTALS_OF = {"bytes_up": "bytes_up", "bytes_down": "bytes_down",
+                 "server_aggregation_seconds": "aggregation_seconds", "dropped_replies": "dropped",
+                 "missing_replies": "missing"}
+
+    def withheld_totals(self) -> tuple[str, ...]:
+        """The totals a results.json writes as "withheld" (never as zeros: a zero is a claim)."""
+        keep = self.round_fields()
+        withheld = [] if keep is None else [t for t, f in self.TOTALS_OF.items() if f not in keep]
+        if not self.shows_timing:
+            withheld.append("wall_seconds")
+        return tuple(withheld)
 
     def label(self) -> str:
         if not self.private:

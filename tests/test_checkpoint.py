@@ -192,6 +192,21 @@ def test_hardened_inflight_round_is_charged_as_a_lost_release(tmp_path):
     assert res["privacy_final"]["epsilon_spent"] <= 50.0 * (1 + 1e-9)
 
 
+@pytest.mark.slow
+def test_a_run_killed_in_its_last_round_reports_the_ledgers_epsilon(tmp_path):
+    """Killed after the last round was sent (hardened noise: the silos trained, so the round is a
+    lost release): the resumed run charges it and its final_epsilon is the ledger's, not the last
+    row's."""
+    cfg = {**TINY, "output-dir": str(tmp_path), "dp.noise-at": "silo", "dp.noise": "hardened", "dp.epsilon": 50.0,
+           "num-server-rounds": 2}
+    assert run_worker(cfg, "after-journal:2") == -signal.SIGKILL
+    assert run_worker({**cfg, "resume": True}) == 0
+    res = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert res["resumed"][-1]["inflight_round"] == 2
+    assert res["totals"]["final_epsilon"] == res["privacy_final"]["epsilon_spent"]
+    assert res["totals"]["final_epsilon"] > res["rounds"][-1]["epsilon"]  # the lost release is counted
+
+
 def test_fedpower_run_resume_reads_the_run_and_refuses_a_bad_checkpoint(tmp_path, capsys):
     from fedpower_app import launcher as L
 
@@ -219,8 +234,8 @@ def test_silo_ledger_file_survives_a_server_restart_and_a_seeded_rerun_is_not_pa
     and paid round 2); the resumed run re-runs round 2 with the same seeded draws (the same
     release: not paid again) and round 3, which the silos admit within their own budget."""
     cfg = {**TINY, "output-dir": str(tmp_path), "dp.noise-at": "silo", "dp.diagnostics": "released"}
-    nodes = {str(i): {"ledger-file": str(tmp_path / f"silo{i}" / "ledger.json"), "dp-max-epsilon": 8.0}
-             for i in range(2)}
+    nodes = {str(i): {"ledger-file": str(tmp_path / f"silo{i}" / "ledger.json"), "dp-max-epsilon": 8.0,
+                      "dp-noise": "seeded"} for i in range(2)}  # these silos opt into reproducible mode
     assert run_worker(cfg, "checkpoint-tmp-written:2", nodes) == -signal.SIGKILL
     paid = json.loads((tmp_path / "silo0" / "ledger.json").read_text())
     assert paid["ledger"]["entries"][0][3] == 2 and len(paid["paid"]) == 2

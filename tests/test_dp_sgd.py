@@ -483,7 +483,7 @@ def test_silo_with_its_own_budget_refuses_a_non_private_run(tmp_path):
 def test_silo_stops_at_its_own_budget_even_if_the_server_plans_more(tmp_path):
     # The server's budget is 8; each silo's own is smaller and it refuses once a round would cross.
     # n = 120, b = 16, L = 2, sigma = 2: eps 0.75 after one round, 1.03 after three.
-    res, grid = _run(tmp_path, node_config={"dp-max-epsilon": 1.0},
+    res, grid = _run(tmp_path, node_config={"dp-max-epsilon": 1.0, "dp-noise": "seeded"},
                      **{"num-server-rounds": 3, "dp.noise-multiplier": 2.0, "dp.epsilon": 50.0,
                         "dp.diagnostics": "released"})
     aggregated = [r["aggregated"] for r in res["rounds"]]

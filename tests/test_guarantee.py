@@ -167,7 +167,7 @@ def test_the_client_app_refuses_a_replay_with_sigma_zero(tmp_path):
 
     run_config = parse_config({**TINY, "dp.noise": "seeded"}).to_dict()
     ledger_file = tmp_path / "ledger.json"
-    ctx = Context(run_id=1, node_id=7, node_config={"partition-id": 0, "num-partitions": 2,
+    ctx = Context(run_id=1, node_id=7, node_config={"partition-id": 0, "num-partitions": 2, "dp-noise": "seeded",
                                                      "ledger-file": str(ledger_file), "dp-max-epsilon": 8.0},
                   state=RecordDict(), run_config=run_config)
     cfg = parse_config(run_config)

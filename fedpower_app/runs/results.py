@@ -34,7 +34,11 @@ def write_json_atomic(path: Path, payload: dict) -> None:
 class ResultsWriter:
     """Accumulates a run's results and rewrites ``<run_dir>/results.json`` after each change."""
 
+    #: a total a private run does not show (``Disclosure.withheld_totals``)
+    WITHHELD = "withheld"
+
     def __init__(self, run_dir: Path, config: dict[str, Any]) -> None:
+        self.withheld: tuple[str, ...] = ()
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / "results.json"
         self.started = time.time()
@@ -57,6 +61,7 @@ class ResultsWriter:
         """Continue a checkpointed run: its results as of the checkpoint (later rounds of the killed
         attempt, if results.json holds any, are discarded: they are re-run)."""
         self = cls.__new__(cls)
+        self.withheld = ()
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / "results.json"
         self.started = time.time() - elapsed
@@ -86,9 +91,20 @@ class ResultsWriter:
             "missing_replies": sum(len(r.get("missing", [])) for r in rounds),
             "final_accuracy": evals[-1]["accuracy"] if evals else None,
             "best_accuracy": max((r["accuracy"] for r in evals), default=None),
-            "final_epsilon": rounds[-1].get("epsilon") if rounds else None,
+            "final_epsilon": self._final_epsilon(rounds),
             "wall_seconds": time.time() - self.started,
         }
+        for key in self.withheld:
+            self.data["totals"][key] = self.WITHHELD
+
+    def _final_epsilon(self, rounds: list) -> float | None:
+        """The ledger's ε once the run has finished (``privacy_final``): it also counts a release
+        charged before an interruption whose round was run again, which no row shows; before that,
+        the last row's."""
+        final = self.data.get("privacy_final") or {}
+        if final.get("epsilon_spent") is not None:
+            return final["epsilon_spent"]
+        return rounds[-1].get("epsilon") if rounds else None
 
     def finish(self, status: str, **extra: Any) -> None:
         self.data["status"] = status

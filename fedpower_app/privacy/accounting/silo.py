@@ -156,7 +156,7 @@ def paid_params(params, sample_rate: float) -> list:
 
 
 def silo_gate(ledger: SiloLedger, paid: list, key: str | None, params, num_examples: int, *,
-              max_epsilon: float) -> tuple[float, bool]:
+              max_epsilon: float, inputs: str | None = None) -> tuple[float, bool]:
     """The silo's whole decision on a DP-SGD train round, before it touches its data: returns
     ``(q, charge)``; raises ``SiloRefusal`` to refuse.
 
@@ -165,7 +165,9 @@ def silo_gate(ledger: SiloLedger, paid: list, key: str | None, params, num_examp
     this silo already paid for is the same release again, and is not charged again, only if it
     carries exactly the DP parameters it was paid with (``paid`` holds ``{"key", "params"}``
     entries). A replay with other parameters is refused: it would be a new release at no charge.
-    Anything else must fit in the silo's own budget."""
+    So is one whose ``inputs`` (a digest of the arrays the silo received and of the optimizer state
+    it starts from) differ from those it was paid with: the same draws on other inputs are another
+    release. Anything else must fit in the silo's own budget."""
     q = _checked_rate(params, num_examples)
     if key is not None:
         for entry in paid:
@@ -174,5 +176,9 @@ def silo_gate(ledger: SiloLedger, paid: list, key: str | None, params, num_examp
                     raise SiloRefusal(f"refused: round {key.rsplit(':', 1)[-1]} was already trained and paid with "
                                       f"DP parameters {entry.get('params')}; a replay must carry the same, got "
                                       f"{paid_params(params, q)}")
+                if entry.get("inputs") is not None and entry.get("inputs") != inputs:
+                    raise SiloRefusal(f"refused: round {key.rsplit(':', 1)[-1]} was already trained and paid on other "
+                                      "arrays or another optimizer state; a replay must receive the same, or its "
+                                      "identical noise would release a second update at no charge")
                 return q, False  # the same seeded release again: already charged
     return _within_budget(ledger, params, q, max_epsilon), True  # parameters checked above
