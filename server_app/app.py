@@ -491,7 +491,7 @@ def _run(grid: Grid, cfg: RunConfig, run_dir: Path, results: ResultsWriter, chec
     totals = results.data["totals"]
     acc, eps = totals.get("final_accuracy"), totals.get("final_epsilon")
     kind = "" if not privacy.enabled else (
-        " [a guarantee: noise and coins from secrets no output holds]" if claim["valid"] else
+        " [a guarantee: noise and coins from generators seeded with OS entropy that no output holds]" if claim["valid"] else
         " [reproducible mode: not a guarantee against whoever holds the seed]" if claim["mode"] == "reproducible"
         else " [not a valid guarantee: the paper's calibration]")
     log.info("run %s %s: final accuracy %s, %s%s; results %s; model %s", run_dir.name, status,

@@ -5,10 +5,12 @@ Gaussian noise, client sampling and example sampling all come from here (privacy
 * ``seeded`` (default, research): every stream is a ``torch.Generator`` derived from
   ``(seed, stream name, round)``. Runs are reproducible and audits can replay them. Anyone who
   knows the seed can subtract the noise, so this mode is **not** secure.
-* ``hardened``: each stream is re-seeded from OS entropy (``secrets``) every time it is asked
-  for, and Gaussian noise uses the sum-of-draws mitigation of Holohan & Braghin (2021) as
-  implemented by opacus ``secure_mode``: (g1 + g2 + g3 + g4) / 2 after discarding one draw.
-  Still not a CSPRNG stream nor an exact discrete Gaussian (see docs/privacy.md).
+* ``hardened``: each stream is a torch generator seeded with 63 bits from the OS's CSPRNG
+  (``secrets``) every time it is asked for (once per stream and round), and Gaussian noise uses
+  the sum-of-draws mitigation of Holohan & Braghin (2021) as implemented by opacus
+  ``secure_mode``: (g1 + g2 + g3 + g4) / 2 after discarding one draw. The draws themselves come
+  from torch's generator, not from a CSPRNG stream, and the Gaussian is not an exact discrete one
+  (``HARDENED_SOURCE``; docs/privacy.md).
 
 Pure torch; no Flower import.
 """
@@ -21,6 +23,11 @@ import secrets
 import torch
 
 NOISE_MODES = ("hardened", "seeded")  # the same list as fedpower_app.choices.NOISE_MODES (tests/test_config.py checks)
+
+#: What the hardened source is, said once (the guarantee's statement, the README and docs/privacy.md quote it).
+HARDENED_SOURCE = ("every noise draw and sampling coin comes from a torch generator seeded, for each stream and "
+                   "round, with 63 fresh bits of OS entropy where it is drawn (each silo's own, the server's own); "
+                   "Gaussian noise is the sum of four draws (Opacus' secure mode); no output holds a seed")
 
 
 def derive_seed(seed: int, stream: str, round_index: int) -> int:

@@ -15,6 +15,10 @@ from .spec import Cell, FINISHED, GridSpec, SPLIT_LABELS, TABLE_TITLES, TASK_LAB
 from .store import cell_metrics, config_changes, eval_splits_of, read_results, results_path
 
 
+#: What a best-round figure is: the round picked by looking at the evaluation split's accuracy, so
+#: the figure is optimistic and no release's measurement (RESULTS.md reports final rounds only).
+BEST_ROUND_LABEL = "selected on the evaluation split, not a result"
+
 def curve(data: dict[str, Any]) -> list[tuple[int, float, float]]:
     """(round, cumulative transferred bits, accuracy) for every evaluated round, with round 0 = the
     initial model at 0 bits."""
@@ -203,7 +207,7 @@ def accuracy_table(collected: Collected, tasks: Sequence[str], methods: Sequence
         mean, std, n = mean_std(per_seed.values())
         if n:
             init_parts.append(f"{header} {_pm(mean, std, n)} (n={n})")
-    notes = [f"Accuracy in %, {'final (last evaluated round)' if which == 'final' else 'best over rounds'}, "
+    notes = [f"Accuracy in %, {'final (last evaluated round)' if which == 'final' else BEST_ROUND_LABEL}, "
              "mean ± sample std over seeds (n seeds per cell). "
              + ("Average = mean over the task columns per seed (seeds that finished every task), then mean ± std. " if multi else "")
              + "ε spent = accountant's ε after the last round (target in the first column), δ from the config; "
@@ -333,7 +337,8 @@ def write_report(spec: GridSpec, out: Path) -> dict[str, list[str]]:
         else:
             title = TABLE_TITLES.get(block, "Accuracy per method and privacy budget (custom grid)")
             table = accuracy_table(collected, spec.tasks, methods, epsilons, title)
-            best = accuracy_table(collected, spec.tasks, methods, epsilons, title + " (best round)", which="best")
+            best = accuracy_table(collected, spec.tasks, methods, epsilons,
+                                  f"{title} (best round: {BEST_ROUND_LABEL})", which="best")
             table.notes.append("")
             table.notes.append(best.markdown().strip())
         stem = f"table{block}" if block != "custom" else "table_custom"

@@ -23,10 +23,10 @@ log = logging.getLogger("fedpower")
 def guarantee(cfg: RunConfig) -> dict[str, Any]:
     """Which kind of claim a run makes, for results.json, the console and ``fedpower-privacy``.
 
-    * ``secret`` (``dp.noise = "hardened"``, the default): every noise draw and sampling coin comes
-      from OS entropy where it is drawn (each silo's DP-SGD noise and Poisson coins on that silo,
-      the server's noise and client-sampling coins on the server); no output holds them. The
-      printed (ε, δ) is a guarantee.
+    * ``secret`` (``dp.noise = "hardened"``, the default): ``strategies.noise.HARDENED_SOURCE``
+      (each silo's DP-SGD noise and Poisson coins on that silo, the server's noise and
+      client-sampling coins on the server); no output holds a seed. The printed (ε, δ) is a
+      guarantee.
     * ``reproducible`` (``dp.noise = "seeded"``): every draw follows from the run seed, which every
       silo receives in the run config and results.json records. Whoever holds the seed can
       subtract the noise: an experiment, not a guarantee.
@@ -42,9 +42,9 @@ def guarantee(cfg: RunConfig) -> dict[str, Any]:
     if cfg["dp.calibration"] == "paper":
         return {"mode": "paper", "valid": False,
                 "statement": "the paper's calibration: the claimed epsilon is not the true one (printed beside it)"}
-    return {"mode": "secret", "valid": True,
-            "statement": "(eps, delta)-DP guarantee: every noise draw and sampling coin comes from OS entropy where "
-                         "it is drawn (each silo's own, the server's own); no output holds them"}
+    from strategies.noise import HARDENED_SOURCE
+
+    return {"mode": "secret", "valid": True, "statement": f"(eps, delta)-DP guarantee: {HARDENED_SOURCE}"}
 
 
 #: The neighbouring relation each level's guarantee is stated for, as the code implements it
