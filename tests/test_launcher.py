@@ -242,7 +242,7 @@ def test_kept_superlink_is_reused_then_stopped_by_pid(fake_superlink, tmp_path, 
     L.run_flwr(PROJECT_ROOT, {}, flwr_home=home, echo=False)
     pids = fake_superlink()
     link = L._kept_superlink(home.resolve(), None)
-    assert link is not None and link.pid == pids[0]
+    assert link is not None and link.superlink_pid == pids[0] and pids[0] in [c.pid for c in _children(link.pid)]
     L.run_flwr(PROJECT_ROOT, {}, flwr_home=home, echo=False)
     assert L._kept_superlink(home.resolve(), None) is link  # reused, not a second SuperLink
     assert all(_running(p) for p in pids)
@@ -345,11 +345,12 @@ def test_real_superlink_starts_and_stops(tmp_path):
     link = L.LocalSuperLink(tmp_path / "home").start()
     try:
         assert link.alive() and L._health(link.port)
-        cmd = psutil.Process(link.pid).cmdline()
+        assert psutil.Process(link.superlink_pid).ppid() == link.pid  # under the run's supervisor
+        cmd = psutil.Process(link.superlink_pid).cmdline()
         for flag in ("--simulation", "--insecure", "--isolation", "subprocess", "--database", ":flwr-in-memory:"):
             assert flag in cmd
         assert cmd[cmd.index("--host") + 1] == "127.0.0.1" and cmd[cmd.index("--port") + 1] == str(link.port)
-        assert os.getpgid(link.pid) == link.pid  # its own session / process group
+        assert os.getsid(link.pid) == link.pid  # the supervisor: a session of its own
         deadline = time.time() + 20
         while not _children(link.pid) and time.time() < deadline:  # flower-superexec
             time.sleep(0.1)

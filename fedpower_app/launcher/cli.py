@@ -85,6 +85,7 @@ from typing import Any
 
 from ..config import PROJECT_ROOT, ConfigError, RunConfig, load_preset, validate_overrides, with_method_preset
 from ..runs import BACKENDS, RunSpec
+from ..runs.owner import claim_run_dir
 from ..runs.spec import default_run_name
 
 from .flwr_cli import _home
@@ -321,10 +322,16 @@ def main(argv: list[str] | None = None) -> int:
                            cpus_per_client=args.cpus_per_client, gpus_per_client=args.gpus_per_client,
                            flwr_home=args.flwr_home)
         ray_address = check_ray(args, spec.backend)
-        if not args.resume:  # name the run now, so that its spec is in its directory before it starts
+        if args.resume:
+            run_dir = Path(args.resume).expanduser().resolve()
+        else:  # name the run now, so that its spec is in its directory before it starts
             if not cfg["run-name"]:
                 overrides["run-name"] = spec.overrides["run-name"] = default_run_name(cfg)
-            spec.save(Path(cfg["output-dir"]).expanduser() / overrides.get("run-name", cfg["run-name"]))
+            run_dir = Path(cfg["output-dir"]).expanduser() / overrides.get("run-name", cfg["run-name"])
+        # One owner per run directory, before anything is written there (runs.owner).
+        run_lock = claim_run_dir(run_dir, say=lambda line: print(line, file=sys.stderr, flush=True))
+        if not args.resume:
+            spec.save(run_dir)
     except ConfigError as exc:
         print(f"fedpower-run: error: {exc}", file=sys.stderr)
         return 2
@@ -344,7 +351,8 @@ def main(argv: list[str] | None = None) -> int:
         outcome = run_flwr(args.app, overrides, num_supernodes=args.supernodes,
                            cpus_per_client=args.cpus_per_client, gpus_per_client=args.gpus_per_client,
                            flwr_home=args.flwr_home, verbose=args.verbose, keep_superlink=False,
-                           ray_address=ray_address or "local", ray_cpus=args.ray_cpus, ray_gpus=args.ray_gpus)
+                           ray_address=ray_address or "local", ray_cpus=args.ray_cpus, ray_gpus=args.ray_gpus,
+                           run_lock=run_lock)
     except KeyboardInterrupt as exc:
         what = "terminated" if isinstance(exc, _Terminated) else "interrupted"
         print(f"\nfedpower-run: {what}; the SuperLink and every process it started were stopped", file=sys.stderr)
@@ -356,6 +364,7 @@ def main(argv: list[str] | None = None) -> int:
         if subreaper:
             with _DeferSignals(reraise=False):  # main is ending anyway
                 _stop_orphans()
+        run_lock.release()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     if outcome.ok:
