@@ -295,6 +295,47 @@ def test_sigterm_to_fedpower_run_stops_everything(fake_superlink, tmp_path):
     assert _wait_gone(pids) == []
 
 
+def test_sigkill_of_the_launcher_stops_the_whole_run_within_seconds(fake_superlink, tmp_path):
+    """The launcher SIGKILLed as a whole process group (no cleanup of its own runs): the run's supervisor
+    stops the SuperLink and everything below it (a child in a session of its own, one that ignores
+    SIGTERM) within seconds, and the run directory's lock is free once they are gone."""
+    from fedpower_app.runs import owner as O
+
+    run_dir = (tmp_path / "out" / "run").resolve()
+    script = tmp_path / "fake_superlink.py"
+    pidfile = tmp_path / "pids.json"
+    driver = tmp_path / "driver.py"
+    driver.write_text(textwrap.dedent(f"""
+        import sys, time
+        from fedpower_app import launcher as L
+        from fedpower_app.runs.owner import claim_run_dir
+        L.superlink._superlink_command = lambda port, env: [sys.executable, {str(script)!r}, str(port), {str(pidfile)!r}]
+        L.processes.STOP_GRACE_SECONDS = 1.5
+        lock = claim_run_dir({str(run_dir)!r})
+        link = L.LocalSuperLink({str(tmp_path / "home")!r}, run_lock=lock).start()
+        print(link.pid, flush=True)
+        time.sleep(600)
+    """))
+    launcher = subprocess.Popen([sys.executable, str(driver)], stdout=subprocess.PIPE, text=True, cwd=str(PROJECT_ROOT),
+                                start_new_session=True)
+    try:
+        supervisor = int(launcher.stdout.readline())
+        pids = fake_superlink()
+        assert psutil.Process(pids[0]).ppid() == supervisor and os.getsid(supervisor) != launcher.pid
+        assert set(O.run_processes(run_dir)) >= {supervisor, *pids}  # every process carries the run's mark
+        assert O._try_lock(run_dir / O.LOCK_FILE) is None
+        t0 = time.time()
+        os.killpg(launcher.pid, signal.SIGKILL)
+        launcher.wait(timeout=10)
+        assert _wait_gone([supervisor, *pids], timeout=15) == []
+        assert time.time() - t0 < 10  # grace 1.5 s, then SIGKILL
+        assert O.run_processes(run_dir) == []
+        O.claim_run_dir(run_dir, say=pytest.fail).release()  # free, and no leftover to stop
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+
+
 def test_timeout_stops_a_silent_flwr_run(fake_superlink, tmp_path, monkeypatch):
     """run_flwr(timeout=...) holds even when `flwr run` prints nothing (fedpower-experiment --cell-timeout)."""
     fake_flwr = tmp_path / "flwr"
