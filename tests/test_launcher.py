@@ -815,3 +815,58 @@ def test_ctrl_c_stops_everything(tmp_path):
     assert "fedpower-run: interrupted" in rest and "Traceback" not in rest
     assert stop_seconds < 30
     assert _wait_gone(descendants, timeout=30) == [] and _processes_tied_to(home) == []
+
+
+@pytest.mark.slow
+def test_sigkill_mid_round_leaves_no_process_and_the_resume_owns_the_run(tmp_path):
+    """The launcher's whole process group SIGKILLed while round 2 is in flight (an OOM kill, a
+    preempted job): within seconds no process of that run is left (SuperLink, SuperExec,
+    flwr-simulation, Ray and its actors). `fedpower-run --resume` then takes the run directory's lock
+    and completes it, every round counted once."""
+    from fedpower_app.runs import owner as O
+
+    home = tmp_path / "flwr-home"
+    run_dir = (tmp_path / "out" / "killed").resolve()
+    proc = _start_fedpower_run(tmp_path, home, "--set", "num-server-rounds=4", "--set", 'run-name="killed"')
+    descendants: set[int] = set()
+    output = []
+    for line in proc.stdout:
+        output.append(line)
+        descendants |= {c.pid for c in _children(proc.pid)}
+        if "[round 1/4" in line:  # round 2 is in flight
+            break
+    marked = O.run_processes(run_dir)
+    descendants |= {c.pid for c in _children(proc.pid)} | set(marked)
+    assert len(marked) >= 5, "".join(output)[-3000:]  # supervisor, SuperLink, SuperExec, simulation, Ray...
+    assert O.read_owner(run_dir)["launcher"]["pid"] == proc.pid
+    t0 = time.time()
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=10)
+    left = _wait_gone(descendants, timeout=20)
+    gone_seconds = time.time() - t0
+    assert left == [] and O.run_processes(run_dir) == [] and _processes_tied_to(home) == []
+    assert gone_seconds < 20, gone_seconds
+    killed = json.loads((run_dir / "results.json").read_text())
+    assert killed["status"] == "running" and [r["server_round"] for r in killed["rounds"]] == [1]
+
+    exe = Path(sys.executable).with_name("fedpower-run")
+    resumed = subprocess.Popen([str(exe), "--resume", str(run_dir), "--flwr-home", str(home)],
+                               env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, cwd=str(tmp_path), start_new_session=True)
+    output = []
+    owner_while_running = None
+    for line in resumed.stdout:
+        output.append(line)
+        if owner_while_running is None and "[round " in line:
+            owner_while_running = O.read_owner(run_dir)
+            assert O._try_lock(run_dir / O.LOCK_FILE) is None  # held while the resumed run runs
+    resumed.wait(timeout=600)
+    text = "".join(output)
+    assert resumed.returncode == 0, text[-4000:]
+    assert owner_while_running["launcher"]["pid"] == resumed.pid and owner_while_running["supervisor"]["pid"]
+    res = json.loads((run_dir / "results.json").read_text())
+    rounds = [r["server_round"] for r in res["rounds"]]
+    assert rounds == list(range(1, len(rounds) + 1)) and len(rounds) >= 2  # none lost, none twice
+    assert res["resumed"][-1]["after_round"] == 1 and res["status"] in ("completed", "stopped-budget")
+    assert res["privacy_final"]["epsilon_spent"] <= res["privacy"]["epsilon"] * (1 + 1e-9)
+    O.claim_run_dir(run_dir, say=pytest.fail).release()  # free again, nothing left over
