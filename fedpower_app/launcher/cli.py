@@ -38,6 +38,16 @@ What it does, in order:
    orphaned on the way (e.g. ``flwr-simulation`` once its SuperExec exited) come back to it and
    are stopped and reaped rather than left as zombies. A second Ctrl-C during this cleanup is
    deferred, not allowed to interrupt it. Nothing is ever matched by name or pattern.
+6. **Dies with its run, however it dies.** The SuperLink runs under the run's supervisor
+   (``supervisor.py``): a child subreaper in a session of its own that watches this process through
+   a pidfd. If ``fedpower-run`` is killed without running any of the above (SIGKILL, an OOM kill),
+   the supervisor stops every process of the run (SIGTERM, SIGKILL after
+   :data:`STOP_GRACE_SECONDS`) within seconds.
+7. **Owns its run directory.** Before writing ``outputs/<run>``, it takes the directory's lock
+   (``owner.lock``, ``fedpower_app.runs.owner``), shared with the supervisor, so it is held until the
+   run's last process is gone. A second launcher on the same directory is refused with one line
+   naming the owner's PIDs; ``--resume`` of a run whose launcher died stops the run's leftovers
+   (found by ``FEDPOWER_RUN_DIR`` in their environment), says so, and takes the lock.
 
 Why not ``flwr run`` with the ``:local:`` connection: it spawns a *detached, persistent*
 ``flower-superlink`` (``flwr/cli/local_superlink.py``) whose PID nobody records, shared by every
@@ -48,8 +58,7 @@ means a dead SuperLink gives a connection error instead of silently spawning a n
 Library use (:func:`run_flwr`, e.g. ``fedpower-experiment``): by default the SuperLink is kept for
 the next call with the same ``flwr_home`` (a grid of cells reuses it; ``flwr ls``/``flwr stop``
 with ``flwr_env(flwr_home, port)`` reach it between calls) and stopped by
-:func:`stop_local_superlink`, at interpreter exit, or - when started from the main thread - by the
-kernel if this process dies (``PR_SET_PDEATHSIG``). ``keep_superlink=False`` stops it before
+:func:`stop_local_superlink`, at interpreter exit, or by its supervisor if this process dies. ``keep_superlink=False`` stops it before
 returning; ``fedpower-run`` always does.
 
 Console: unless ``--verbose``, known-harmless noise is switched off in the environment of the
