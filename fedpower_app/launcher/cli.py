@@ -34,9 +34,9 @@ What it does, in order:
    SIGHUP): :func:`terminate_tree` snapshots the SuperLink's descendants (``flower-superexec``
    runs in a session of its own, ``flwr-simulation`` and Ray below it), sends SIGTERM to the
    process groups they lead and to each PID, waits :data:`STOP_GRACE_SECONDS`, then SIGKILLs what
-   is left. ``fedpower-run`` is also a child subreaper (``PR_SET_CHILD_SUBREAPER``), so processes
-   orphaned on the way (e.g. ``flwr-simulation`` once its SuperExec exited) come back to it and
-   are stopped and reaped rather than left as zombies. A second Ctrl-C during this cleanup is
+   is left. Processes orphaned on the way (e.g. ``flwr-simulation`` once its SuperExec exited) come
+   back to the run's supervisor (6.), a child subreaper, and are stopped and reaped there;
+   ``fedpower-run`` is one too, for its own children. A second Ctrl-C during this cleanup is
    deferred, not allowed to interrupt it. Nothing is ever matched by name or pattern.
 6. **Dies with its run, however it dies.** The SuperLink runs under the run's supervisor
    (``supervisor.py``): a child subreaper in a session of its own that watches this process through

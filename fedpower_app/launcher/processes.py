@@ -184,8 +184,9 @@ def supervised(cmd: list[str], grace: float | None = None) -> list[str]:
 
 
 def _become_subreaper() -> bool:
-    """Linux: orphaned descendants (e.g. ``flwr-simulation`` once its SuperExec is gone) are
-    re-parented to this process instead of PID 1, so :func:`_stop_orphans` can stop and reap them.
+    """Linux: orphaned descendants are re-parented to this process instead of PID 1, so
+    :func:`_stop_orphans` can stop and reap them (the SuperLink's descendants stay below the run's
+    supervisor, itself a subreaper).
     Only for the ``fedpower-run`` process itself, not when used as a library."""
     if not sys.platform.startswith("linux"):
         return False
