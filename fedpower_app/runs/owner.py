@@ -170,7 +170,7 @@ def claim_run_dir(run_dir: Path | str, *, command: str = "fedpower-run",
             raise RunDirInUse(
                 f"{run_dir} is in use by {owner.get('command', 'a launcher')} pid {launcher['pid']} (since "
                 f"{owner.get('since', '?')}" + (f"; its run's processes: pids {', '.join(map(str, pids))}" if pids else "")
-                + "): stop it first, or give this run another run-name")
+                + "): stop it first, or give a new run another run-name")
         leftovers = run_processes(run_dir)
         say(f"{command}: the launcher that owned {run_dir} is gone; stopping its run's "
             f"{len(leftovers)} leftover process(es): pids {', '.join(map(str, leftovers)) or 'none found'}")
