@@ -20,7 +20,7 @@ gives for that:
 
 When the launcher ends, a stop signal comes or the SuperLink exits, it sends SIGTERM to every
 descendant, waits ``--grace`` seconds, SIGKILLs what is left (again, until none is left, up to 10 s
-more) and exits with the SuperLink's exit code (1 if the launcher died). Descendants are found from
+more) and exits with the SuperLink's exit code (1 if the launcher died, 128 + N on signal N). Descendants are found from
 ``/proc`` parent links, by PID; nothing is matched by name.
 
 It holds the file descriptors the launcher passes to it (``pass_fds``): the run directory's lock
