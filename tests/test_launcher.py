@@ -242,7 +242,7 @@ def test_kept_superlink_is_reused_then_stopped_by_pid(fake_superlink, tmp_path, 
     L.run_flwr(PROJECT_ROOT, {}, flwr_home=home, echo=False)
     pids = fake_superlink()
     link = L._kept_superlink(home.resolve(), None)
-    assert link is not None and link.pid == pids[0]
+    assert link is not None and link.superlink_pid == pids[0] and pids[0] in [c.pid for c in _children(link.pid)]
     L.run_flwr(PROJECT_ROOT, {}, flwr_home=home, echo=False)
     assert L._kept_superlink(home.resolve(), None) is link  # reused, not a second SuperLink
     assert all(_running(p) for p in pids)
@@ -295,6 +295,47 @@ def test_sigterm_to_fedpower_run_stops_everything(fake_superlink, tmp_path):
     assert _wait_gone(pids) == []
 
 
+def test_sigkill_of_the_launcher_stops_the_whole_run_within_seconds(fake_superlink, tmp_path):
+    """The launcher SIGKILLed as a whole process group (no cleanup of its own runs): the run's supervisor
+    stops the SuperLink and everything below it (a child in a session of its own, one that ignores
+    SIGTERM) within seconds, and the run directory's lock is free once they are gone."""
+    from fedpower_app.runs import owner as O
+
+    run_dir = (tmp_path / "out" / "run").resolve()
+    script = tmp_path / "fake_superlink.py"
+    pidfile = tmp_path / "pids.json"
+    driver = tmp_path / "driver.py"
+    driver.write_text(textwrap.dedent(f"""
+        import sys, time
+        from fedpower_app import launcher as L
+        from fedpower_app.runs.owner import claim_run_dir
+        L.superlink._superlink_command = lambda port, env: [sys.executable, {str(script)!r}, str(port), {str(pidfile)!r}]
+        L.processes.STOP_GRACE_SECONDS = 1.5
+        lock = claim_run_dir({str(run_dir)!r})
+        link = L.LocalSuperLink({str(tmp_path / "home")!r}, run_lock=lock).start()
+        print(link.pid, flush=True)
+        time.sleep(600)
+    """))
+    launcher = subprocess.Popen([sys.executable, str(driver)], stdout=subprocess.PIPE, text=True, cwd=str(PROJECT_ROOT),
+                                start_new_session=True)
+    try:
+        supervisor = int(launcher.stdout.readline())
+        pids = fake_superlink()
+        assert psutil.Process(pids[0]).ppid() == supervisor and os.getsid(supervisor) != launcher.pid
+        assert set(O.run_processes(run_dir)) >= {supervisor, *pids}  # every process carries the run's mark
+        assert O._try_lock(run_dir / O.LOCK_FILE) is None
+        t0 = time.time()
+        os.killpg(launcher.pid, signal.SIGKILL)
+        launcher.wait(timeout=10)
+        assert _wait_gone([supervisor, *pids], timeout=15) == []
+        assert time.time() - t0 < 10  # grace 1.5 s, then SIGKILL
+        assert O.run_processes(run_dir) == []
+        O.claim_run_dir(run_dir, say=pytest.fail).release()  # free, and no leftover to stop
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+
+
 def test_timeout_stops_a_silent_flwr_run(fake_superlink, tmp_path, monkeypatch):
     """run_flwr(timeout=...) holds even when `flwr run` prints nothing (fedpower-experiment --cell-timeout)."""
     fake_flwr = tmp_path / "flwr"
@@ -345,11 +386,12 @@ def test_real_superlink_starts_and_stops(tmp_path):
     link = L.LocalSuperLink(tmp_path / "home").start()
     try:
         assert link.alive() and L._health(link.port)
-        cmd = psutil.Process(link.pid).cmdline()
+        assert psutil.Process(link.superlink_pid).ppid() == link.pid  # under the run's supervisor
+        cmd = psutil.Process(link.superlink_pid).cmdline()
         for flag in ("--simulation", "--insecure", "--isolation", "subprocess", "--database", ":flwr-in-memory:"):
             assert flag in cmd
         assert cmd[cmd.index("--host") + 1] == "127.0.0.1" and cmd[cmd.index("--port") + 1] == str(link.port)
-        assert os.getpgid(link.pid) == link.pid  # its own session / process group
+        assert os.getsid(link.pid) == link.pid  # the supervisor: a session of its own
         deadline = time.time() + 20
         while not _children(link.pid) and time.time() < deadline:  # flower-superexec
             time.sleep(0.1)
@@ -773,3 +815,58 @@ def test_ctrl_c_stops_everything(tmp_path):
     assert "fedpower-run: interrupted" in rest and "Traceback" not in rest
     assert stop_seconds < 30
     assert _wait_gone(descendants, timeout=30) == [] and _processes_tied_to(home) == []
+
+
+@pytest.mark.slow
+def test_sigkill_mid_round_leaves_no_process_and_the_resume_owns_the_run(tmp_path):
+    """The launcher's whole process group SIGKILLed while round 2 is in flight (an OOM kill, a
+    preempted job): within seconds no process of that run is left (SuperLink, SuperExec,
+    flwr-simulation, Ray and its actors). `fedpower-run --resume` then takes the run directory's lock
+    and completes it, every round counted once."""
+    from fedpower_app.runs import owner as O
+
+    home = tmp_path / "flwr-home"
+    run_dir = (tmp_path / "out" / "killed").resolve()
+    proc = _start_fedpower_run(tmp_path, home, "--set", "num-server-rounds=4", "--set", 'run-name="killed"')
+    descendants: set[int] = set()
+    output = []
+    for line in proc.stdout:
+        output.append(line)
+        descendants |= {c.pid for c in _children(proc.pid)}
+        if "[round 1/4" in line:  # round 2 is in flight
+            break
+    marked = O.run_processes(run_dir)
+    descendants |= {c.pid for c in _children(proc.pid)} | set(marked)
+    assert len(marked) >= 5, "".join(output)[-3000:]  # supervisor, SuperLink, SuperExec, simulation, Ray...
+    assert O.read_owner(run_dir)["launcher"]["pid"] == proc.pid
+    t0 = time.time()
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=10)
+    left = _wait_gone(descendants, timeout=20)
+    gone_seconds = time.time() - t0
+    assert left == [] and O.run_processes(run_dir) == [] and _processes_tied_to(home) == []
+    assert gone_seconds < 20, gone_seconds
+    killed = json.loads((run_dir / "results.json").read_text())
+    assert killed["status"] == "running" and [r["server_round"] for r in killed["rounds"]] == [1]
+
+    exe = Path(sys.executable).with_name("fedpower-run")
+    resumed = subprocess.Popen([str(exe), "--resume", str(run_dir), "--flwr-home", str(home)],
+                               env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, cwd=str(tmp_path), start_new_session=True)
+    output = []
+    owner_while_running = None
+    for line in resumed.stdout:
+        output.append(line)
+        if owner_while_running is None and "[round " in line:
+            owner_while_running = O.read_owner(run_dir)
+            assert O._try_lock(run_dir / O.LOCK_FILE) is None  # held while the resumed run runs
+    resumed.wait(timeout=600)
+    text = "".join(output)
+    assert resumed.returncode == 0, text[-4000:]
+    assert owner_while_running["launcher"]["pid"] == resumed.pid and owner_while_running["supervisor"]["pid"]
+    res = json.loads((run_dir / "results.json").read_text())
+    rounds = [r["server_round"] for r in res["rounds"]]
+    assert rounds == list(range(1, len(rounds) + 1)) and len(rounds) >= 2  # none lost, none twice
+    assert res["resumed"][-1]["after_round"] == 1 and res["status"] in ("completed", "stopped-budget")
+    assert res["privacy_final"]["epsilon_spent"] <= res["privacy"]["epsilon"] * (1 + 1e-9)
+    O.claim_run_dir(run_dir, say=pytest.fail).release()  # free again, nothing left over

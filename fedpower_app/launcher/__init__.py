@@ -4,6 +4,8 @@
 * ``flwr_run``: ``run_flwr``, one run on an owned SuperLink, with its real status;
 * ``superlink``: the local SuperLink this process starts and stops;
 * ``processes``: stopping process trees by PID, and reaping orphans;
+* ``supervisor``: the process between the launcher and the SuperLink that stops the whole run when
+  the launcher dies, however it dies;
 * ``console``: what the console shows of a run;
 * ``cli``: the command line (validation, resume, the run);
 * ``ray_cluster``: joining an existing Ray cluster (``--ray-address``), and a multi-node cluster on
@@ -37,17 +39,17 @@ from .flwr_cli import (  # noqa: F401
 from .processes import (  # noqa: F401
     STOP_GRACE_SECONDS,
     _DeferSignals,
-    _PDEATHSIG,
+    SUPERVISOR,
     _Terminated,
     _alive,
     _become_subreaper,
     _children,
     _descendants,
-    _die_with_parent,
     _group_members,
     _on_signal,
     _reap,
     _stop_orphans,
+    supervised,
     terminate_tree,
 )
 from .superlink import (  # noqa: F401

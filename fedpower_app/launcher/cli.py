@@ -34,10 +34,20 @@ What it does, in order:
    SIGHUP): :func:`terminate_tree` snapshots the SuperLink's descendants (``flower-superexec``
    runs in a session of its own, ``flwr-simulation`` and Ray below it), sends SIGTERM to the
    process groups they lead and to each PID, waits :data:`STOP_GRACE_SECONDS`, then SIGKILLs what
-   is left. ``fedpower-run`` is also a child subreaper (``PR_SET_CHILD_SUBREAPER``), so processes
-   orphaned on the way (e.g. ``flwr-simulation`` once its SuperExec exited) come back to it and
-   are stopped and reaped rather than left as zombies. A second Ctrl-C during this cleanup is
+   is left. Processes orphaned on the way (e.g. ``flwr-simulation`` once its SuperExec exited) come
+   back to the run's supervisor (6.), a child subreaper, and are stopped and reaped there;
+   ``fedpower-run`` is one too, for its own children. A second Ctrl-C during this cleanup is
    deferred, not allowed to interrupt it. Nothing is ever matched by name or pattern.
+6. **Dies with its run, however it dies.** The SuperLink runs under the run's supervisor
+   (``supervisor.py``): a child subreaper in a session of its own that watches this process through
+   a pidfd. If ``fedpower-run`` is killed without running any of the above (SIGKILL, an OOM kill),
+   the supervisor stops every process of the run (SIGTERM, SIGKILL after
+   :data:`STOP_GRACE_SECONDS`) within seconds.
+7. **Owns its run directory.** Before writing ``outputs/<run>``, it takes the directory's lock
+   (``owner.lock``, ``fedpower_app.runs.owner``), shared with the supervisor, so it is held until the
+   run's last process is gone. A second launcher on the same directory is refused with one line
+   naming the owner's PIDs; ``--resume`` of a run whose launcher died stops the run's leftovers
+   (found by ``FEDPOWER_RUN_DIR`` in their environment), says so, and takes the lock.
 
 Why not ``flwr run`` with the ``:local:`` connection: it spawns a *detached, persistent*
 ``flower-superlink`` (``flwr/cli/local_superlink.py``) whose PID nobody records, shared by every
@@ -48,8 +58,7 @@ means a dead SuperLink gives a connection error instead of silently spawning a n
 Library use (:func:`run_flwr`, e.g. ``fedpower-experiment``): by default the SuperLink is kept for
 the next call with the same ``flwr_home`` (a grid of cells reuses it; ``flwr ls``/``flwr stop``
 with ``flwr_env(flwr_home, port)`` reach it between calls) and stopped by
-:func:`stop_local_superlink`, at interpreter exit, or - when started from the main thread - by the
-kernel if this process dies (``PR_SET_PDEATHSIG``). ``keep_superlink=False`` stops it before
+:func:`stop_local_superlink`, at interpreter exit, or by its supervisor if this process dies. ``keep_superlink=False`` stops it before
 returning; ``fedpower-run`` always does.
 
 Console: unless ``--verbose``, known-harmless noise is switched off in the environment of the
@@ -85,6 +94,7 @@ from typing import Any
 
 from ..config import PROJECT_ROOT, ConfigError, RunConfig, load_preset, validate_overrides, with_method_preset
 from ..runs import BACKENDS, RunSpec
+from ..runs.owner import claim_run_dir
 from ..runs.spec import default_run_name
 
 from .flwr_cli import _home
@@ -326,10 +336,16 @@ def main(argv: list[str] | None = None) -> int:
                            cpus_per_client=args.cpus_per_client, gpus_per_client=args.gpus_per_client,
                            flwr_home=args.flwr_home, backend=spec.backend)
         ray_address = check_ray(args, spec.backend)
-        if not args.resume:  # name the run now, so that its spec is in its directory before it starts
+        if args.resume:
+            run_dir = Path(args.resume).expanduser().resolve()
+        else:  # name the run now, so that its spec is in its directory before it starts
             if not cfg["run-name"]:
                 overrides["run-name"] = spec.overrides["run-name"] = default_run_name(cfg)
-            spec.save(Path(cfg["output-dir"]).expanduser() / overrides.get("run-name", cfg["run-name"]))
+            run_dir = Path(cfg["output-dir"]).expanduser() / overrides.get("run-name", cfg["run-name"])
+        # One owner per run directory, before anything is written there (runs.owner).
+        run_lock = claim_run_dir(run_dir, say=lambda line: print(line, file=sys.stderr, flush=True))
+        if not args.resume:
+            spec.save(run_dir)
     except ConfigError as exc:
         print(f"fedpower-run: error: {exc}", file=sys.stderr)
         return 2
@@ -349,7 +365,8 @@ def main(argv: list[str] | None = None) -> int:
         outcome = run_flwr(args.app, overrides, num_supernodes=args.supernodes,
                            cpus_per_client=args.cpus_per_client, gpus_per_client=args.gpus_per_client,
                            flwr_home=args.flwr_home, verbose=args.verbose, keep_superlink=False,
-                           ray_address=ray_address or "local", ray_cpus=args.ray_cpus, ray_gpus=args.ray_gpus)
+                           ray_address=ray_address or "local", ray_cpus=args.ray_cpus, ray_gpus=args.ray_gpus,
+                           run_lock=run_lock)
     except KeyboardInterrupt as exc:
         what = "terminated" if isinstance(exc, _Terminated) else "interrupted"
         print(f"\nfedpower-run: {what}; the SuperLink and every process it started were stopped", file=sys.stderr)
@@ -361,6 +378,7 @@ def main(argv: list[str] | None = None) -> int:
         if subreaper:
             with _DeferSignals(reraise=False):  # main is ending anyway
                 _stop_orphans()
+        run_lock.release()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     if outcome.ok:

@@ -84,6 +84,7 @@ def run_flwr(
     ray_address: str | None = None,
     ray_cpus: int | None = None,
     ray_gpus: int | None = None,
+    run_lock=None,
 ) -> RunOutcome:
     """Run the app with ``flwr run --stream`` on a SuperLink this process owns; return its real status.
 
@@ -98,6 +99,9 @@ def run_flwr(
     none) is an existing cluster the simulation joins; without one it runs on a private Ray instance,
     of ``ray_cpus``/``ray_gpus`` when given (Flower's ``init-args-num-cpus/num-gpus``; refused with
     a cluster address, as Ray refuses them on connect).
+
+    ``run_lock`` (``fedpower_app.runs.owner.RunLock``): the run directory's lock, handed to the
+    SuperLink's supervisor (a new SuperLink is started for it, never a kept one).
     """
     ray_address = ray_address_from(ray_address)
     check_ray_resources(ray_address, ray_cpus, ray_gpus)
@@ -113,13 +117,15 @@ def run_flwr(
     if merged:
         cmd += ["--run-config", run_config_arg(merged)]
     t0 = time.time()
-    link = _kept_superlink(_home(flwr_home), superlink_port, ray_address) if keep_superlink else None
+    link = _kept_superlink(_home(flwr_home), superlink_port, ray_address) if keep_superlink and run_lock is None else None
     started_here = link is None
     try:
         if link is None:
-            link = LocalSuperLink(flwr_home, superlink_port, verbose=verbose, ray_address=ray_address).start()
+            link = LocalSuperLink(flwr_home, superlink_port, verbose=verbose, ray_address=ray_address,
+                                  run_lock=run_lock).start()
             if echo and verbose:
-                print(f"fedpower-run: SuperLink pid {link.pid} on {link.address} (log {link.log_path})", flush=True)
+                print(f"fedpower-run: SuperLink pid {link.superlink_pid} (under the run's supervisor, pid {link.pid}) "
+                      f"on {link.address} (log {link.log_path})", flush=True)
         run_id, returncode, output, timed_out = _stream(cmd, link.cli_env, echo=echo, verbose=verbose,
                                                         timeout=timeout, t0=t0)
         status = run_status(run_id, link.cli_env, CONNECTION) if run_id else "not-started"

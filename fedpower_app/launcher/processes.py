@@ -1,4 +1,4 @@
-"""Process trees this process started: stopping them by PID (SIGTERM, grace, SIGKILL), dying with the parent, and reaping orphans as a child subreaper. Nothing is matched by name."""
+"""Process trees this process started: stopping them by PID (SIGTERM, grace, SIGKILL), dying with the launcher (the run's supervisor, ``supervisor.py``), and reaping orphans as a child subreaper. Nothing is matched by name."""
 
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 
 
@@ -167,26 +168,25 @@ class _DeferSignals:
             raise _Terminated(self.received[0]) if self.received[0] != signal.SIGINT else KeyboardInterrupt()
 
 
-_PDEATHSIG = ("import ctypes, os, sys\n"
-              "parent = int(sys.argv[1])\n"
-              "ctypes.CDLL(None, use_errno=True).prctl(1, 15)  # PR_SET_PDEATHSIG = SIGTERM\n"
-              "if os.getppid() != parent:\n    sys.exit(1)  # the launcher died before prctl\n"
-              "os.execv(sys.argv[2], sys.argv[2:])\n")
+SUPERVISOR = Path(__file__).with_name("supervisor.py")
 
 
-def _die_with_parent(cmd: list[str]) -> list[str]:
-    """``cmd`` behind a tiny trampoline that sets PR_SET_PDEATHSIG (Linux, main thread only: the
-    signal follows the *thread* that forked), so the SuperLink gets SIGTERM if this process is killed
-    without running its cleanup. No ``preexec_fn`` (not safe with threads)."""
-    if not sys.platform.startswith("linux") or threading.current_thread() is not threading.main_thread():
+def supervised(cmd: list[str], grace: float | None = None) -> list[str]:
+    """``cmd`` (the SuperLink) under the run's supervisor (``supervisor.py``, Linux): a subreaper in a
+    session of its own that stops every process of the run when this process ends, however it ends
+    (SIGKILL included), and holds the run directory's lock until the last of them is gone."""
+    if not sys.platform.startswith("linux"):
         return cmd
+    grace = STOP_GRACE_SECONDS if grace is None else grace
     exe = cmd[0] if os.path.isabs(cmd[0]) else (shutil.which(cmd[0]) or cmd[0])
-    return [sys.executable, "-c", _PDEATHSIG, str(os.getpid()), exe, *cmd[1:]]
+    return [sys.executable, str(SUPERVISOR), "--parent", str(os.getpid()), "--grace", f"{grace:g}", "--",
+            exe, *cmd[1:]]
 
 
 def _become_subreaper() -> bool:
-    """Linux: orphaned descendants (e.g. ``flwr-simulation`` once its SuperExec is gone) are
-    re-parented to this process instead of PID 1, so :func:`_stop_orphans` can stop and reap them.
+    """Linux: orphaned descendants are re-parented to this process instead of PID 1, so
+    :func:`_stop_orphans` can stop and reap them (the SuperLink's descendants stay below the run's
+    supervisor, itself a subreaper).
     Only for the ``fedpower-run`` process itself, not when used as a library."""
     if not sys.platform.startswith("linux"):
         return False

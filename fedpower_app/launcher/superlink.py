@@ -1,4 +1,4 @@
-"""A local ``flower-superlink`` this process starts, owns and stops (``LocalSuperLink``), kept between the calls of a grid."""
+"""A local ``flower-superlink`` this process starts, owns and stops (``LocalSuperLink``), kept between the calls of a grid. It runs under the run's supervisor (``supervisor.py``), which stops it and everything below it if this process dies."""
 
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 
 
 from .flwr_cli import CONNECTION, LauncherError, _home, _port_is_free, _superlink_exe, default_superlink_port, flwr_env, free_port, output_env
-from .processes import _DeferSignals, _die_with_parent, terminate_tree
+from .processes import _DeferSignals, supervised, terminate_tree
 from .ray_cluster import ray_env
 
 
@@ -53,8 +53,11 @@ class LocalSuperLink:
     """A simulation SuperLink owned by this process (see the module docstring)."""
 
     def __init__(self, flwr_home: str | Path | None, port: int | None = None, *, verbose: bool = False,
-                 ray_address: str | None = None) -> None:
+                 ray_address: str | None = None, run_lock=None) -> None:
         self.home = _home(flwr_home)
+        # The run directory's lock (fedpower_app.runs.owner.RunLock) this SuperLink's run is under: its
+        # supervisor holds it too, and every process of the run is marked with the run directory.
+        self.run_lock = run_lock
         # The Ray cluster the simulation joins (RAY_ADDRESS in the SuperLink's environment, inherited by
         # flwr-simulation); None: a private Ray instance (ray_cluster.ray_env).
         self.ray_address = ray_address
@@ -77,7 +80,19 @@ class LocalSuperLink:
 
     @property
     def pid(self) -> int | None:
+        """The PID of the process this one started: the run's supervisor, the SuperLink's parent."""
         return self.proc.pid if self.proc else None
+
+    @property
+    def superlink_pid(self) -> int | None:
+        """The PID of ``flower-superlink`` itself (the supervisor's child)."""
+        try:
+            import psutil
+
+            kids = psutil.Process(self.pid).children() if self.pid else []
+        except Exception:
+            return None
+        return kids[0].pid if kids else None
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -110,7 +125,8 @@ class LocalSuperLink:
         return "address already in use" in text.lower()
 
     def _spawn(self, timeout: float) -> None:
-        self.env = {**output_env(flwr_env(self.home, self.port), self.verbose), **ray_env(self.ray_address)}
+        self.env = {**output_env(flwr_env(self.home, self.port), self.verbose), **ray_env(self.ray_address),
+                    **(self.run_lock.env() if self.run_lock is not None else {})}
         self.run_dir = self.home / "fedpower-run" / f"{os.getpid()}-{self.port}"
         self.run_dir.mkdir(parents=True, exist_ok=True)
         cli_home = self.run_dir / "cli"
@@ -122,11 +138,15 @@ class LocalSuperLink:
         self.cli_env = {**self.env, "FLWR_HOME": str(cli_home)}
         self.log_path = self.run_dir / "superlink.log"
         self._log = open(self.log_path, "ab")
-        cmd = _die_with_parent(_superlink_command(self.port, self.env))
-        # The cwd is inherited: the ServerApp resolves a relative output-dir against it.
+        cmd = supervised(_superlink_command(self.port, self.env))
+        # The cwd is inherited: the ServerApp resolves a relative output-dir against it. The supervisor
+        # gets the run directory's lock (pass_fds) and keeps it until the run's last process is gone.
+        fds = (self.run_lock.fd,) if self.run_lock is not None else ()
         self.proc = subprocess.Popen(cmd, env=self.env, stdin=subprocess.DEVNULL, stdout=self._log,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+                                     stderr=subprocess.STDOUT, start_new_session=True, pass_fds=fds)
         _STARTED.append(self)
+        if self.run_lock is not None:
+            self.run_lock.note(supervisor={"pid": self.proc.pid}, superlink_port=self.port)
         deadline = time.monotonic() + timeout
         while not _health(self.port):
             if self.proc.poll() is not None:

@@ -6,6 +6,7 @@
 * ``inprocess``: the in-process backend (the real ServerApp and ClientApp in one process, over
   ``inprocess_grid``'s Grid); the ``flwr`` backend (a SuperLink and its process tree) is
   ``fedpower_app.launcher``;
+* ``owner``: one owner per run directory (``owner.lock``), and a killed run's leftovers;
 * ``paths``: a grid's or an audit's private Flower home and SuperLink port.
 
 ``fedpower-run``, ``fedpower-experiment``, ``fedpower-audit`` and ``benchmarks.inprocess_run`` are
