@@ -104,6 +104,7 @@ SCHEMA: dict[str, tuple[type, Callable[[Any], str | None] | None]] = {
     "train.label-smoothing": (float, lambda v: None if 0 <= v < 1 else "must be in [0, 1)"),
     "train.cache-frozen": (bool, None),
     "train.precision": (str, _in(PRECISIONS)),
+    "train.physical-batch-size": (int, _nonneg),
     "eval.batch-size": (int, _min1),
     "eval.every": (int, _min1),
     "eval.fraction-clients": (float, _unit),
