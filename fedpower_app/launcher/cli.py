@@ -353,6 +353,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fedpower-run: error: preset {args.preset}: {exc}", file=sys.stderr)
         return 2
 
+    if cfg.dp_enabled:  # who decides each silo's privacy (fedpower_app.privacy.silo_policy)
+        print(f"fedpower-run: silos: {args.supernodes} simulated partitions of one dataset, one owner: the run "
+              "config speaks for them (noise source, metrics, evaluation). A SuperNode of its own sets its policy "
+              "in its node config: dp-max-epsilon, dp-delta, dp-noise, send-metrics, evaluate, evaluate-max, "
+              "ledger-file, device (docs/deployment.md)", flush=True)
+
     # 2. The run, on a SuperLink stopped (by PID) whatever happens.
     subreaper = _become_subreaper()
     previous = {}
