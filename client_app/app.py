@@ -36,7 +36,7 @@ from fedpower_app.training.silo_round import train_round
 from fedpower_app.privacy.accounting.silo import SILO_DEFAULT_DELTA, SiloLedger, SiloRefusal, paid_params, silo_gate
 from fedpower_app.training import evaluate as evaluate_model
 
-RUNTIME_RECORD = "runtime"  # reply record of where the ClientApp ran (issue #35); not data, not a metric of it
+RUNTIME_RECORD = "runtime"  # reply record of where the ClientApp ran; not data, not a metric of it
 
 
 def _ray_node_mod(msg: Message, context: Context, call_next) -> Message:

@@ -1,4 +1,4 @@
-"""Issue #32: the opening table's seeds, as one figure of accuracy per round with bands, and the
+"""The opening table's seeds, as one figure of accuracy per round with bands, and the
 mean ± std of each (method, ε) over its seeds' final rounds.
 
 The SST-2 cells of RESULTS.md's opening table ran as single federated runs
@@ -6,7 +6,7 @@ The SST-2 cells of RESULTS.md's opening table ran as single federated runs
 draws them with the grid report's own plot (``fedpower_app.experiment.report.plot_curves``: mean
 over seeds, a band of ± one std), so the figure and the grid's figures are one code path.
 
-    python -m research.issue32_figure --out results/sst2-dp/fig_sst2_dp_eps8.png --eps 8 \\
+    python -m research.sst2_dp_figure --out results/sst2-dp/fig_sst2_dp_eps8.png --eps 8 \\
         --run fedlora:0:results/sst2-dp/fed2-fedlora-eps8-mean --run fedlora:1:results/sst2-dp/fed-fedlora-eps8-s1
 
 Each ``--run`` is ``METHOD:SEED:DIR`` (DIR holds results.json). Prints, per method, the final

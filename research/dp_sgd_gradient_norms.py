@@ -1,4 +1,4 @@
-"""Issue #32: per-example gradient norms at the initial adapters, and the signal that survives
+"""Per-example gradient norms at the initial adapters, and the signal that survives
 clipping at C, on silo 0's shard.
 
 For the strategy's trainable set (FFA-LoRA: B only), over ``--examples`` examples:
@@ -9,7 +9,7 @@ For the strategy's trainable set (FFA-LoRA: B only), over ``--examples`` example
   C -> 0 (every example normalised: g_i/|g_i|, times C), and the resulting noise/signal of one
   step, sigma*C*sqrt(d) / (b*|E clip_C(g)|), with the configured sigma (eps, b, L, T).
 
-    python -m research.issue32_gradnorms --set task.name='"sst2"' --set task.data-dir='"/work/shared/glue/SST-2"' \\
+    python -m research.dp_sgd_gradient_norms --set task.name='"sst2"' --set task.data-dir='"/work/shared/glue/SST-2"' \\
         --set strategy.name='"ffa-lora"'
 
 ``--adapter DIR`` measures at a run's released adapters (``outputs/<run>/adapter``) instead of the

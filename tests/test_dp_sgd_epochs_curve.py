@@ -1,4 +1,4 @@
-"""research/issue32_epochs: issue #32's "what it would take" figures (points per doubling of the
+"""research/dp_sgd_epochs_curve: the "what it would take" figures (points per doubling of the
 epochs, the epochs and hours to the goal) come from it, so its epochs, means and fit must be right."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from research import issue32_epochs
+from research import dp_sgd_epochs_curve
 
 
 def _run(tmp_path, name, devs, *, b=1000, L=4, sizes=(2000, 2000), wall=100.0, status="completed"):
@@ -24,17 +24,17 @@ def _run(tmp_path, name, devs, *, b=1000, L=4, sizes=(2000, 2000), wall=100.0, s
 
 def test_epochs_come_from_each_silos_examples_a_round(tmp_path):
     d = _run(tmp_path, "r", [0.6, 0.7], b=500, L=2, sizes=(1000, 3000))  # 1,000 examples a round over 2,000
-    xs, ys = issue32_epochs.run_curve(json.loads((d / "results.json").read_text()))
+    xs, ys = dp_sgd_epochs_curve.run_curve(json.loads((d / "results.json").read_text()))
     assert xs == [0.0, 0.5, 1.0] and ys == [0.5, 0.6, 0.7]
 
 
 def test_fit_recovers_a_log_linear_curve_and_the_epochs_to_a_goal():
-    a, s = issue32_epochs.fit_log2([(4.0, 0.80), (8.0, 0.81), (16.0, 0.82)])
+    a, s = dp_sgd_epochs_curve.fit_log2([(4.0, 0.80), (8.0, 0.81), (16.0, 0.82)])
     assert a == pytest.approx(0.78) and s == pytest.approx(0.01)
-    assert issue32_epochs.epochs_to_reach(0.85, a, s) == pytest.approx(128.0)
-    assert issue32_epochs.epochs_to_reach(0.85, a, -0.01) == math.inf  # a falling line never reaches it
+    assert dp_sgd_epochs_curve.epochs_to_reach(0.85, a, s) == pytest.approx(128.0)
+    assert dp_sgd_epochs_curve.epochs_to_reach(0.85, a, -0.01) == math.inf  # a falling line never reaches it
     with pytest.raises(ValueError, match="two or more"):
-        issue32_epochs.fit_log2([(4.0, 0.8), (4.0, 0.81)])
+        dp_sgd_epochs_curve.fit_log2([(4.0, 0.8), (4.0, 0.81)])
 
 
 def test_main_prints_seed_means_the_fit_and_hours(tmp_path, capsys):
@@ -43,7 +43,7 @@ def test_main_prints_seed_means_the_fit_and_hours(tmp_path, capsys):
     long = _run(tmp_path, "long", [0.7, 0.75, 0.8, 0.82], )       # 8 epochs
     other = _run(tmp_path, "eps3", [0.70, 0.79])
     out = tmp_path / "f.png"
-    assert issue32_epochs.main(["--out", str(out), "--run", f"short:{s0}", "--run", f"short:{s1}",
+    assert dp_sgd_epochs_curve.main(["--out", str(out), "--run", f"short:{s0}", "--run", f"short:{s1}",
                                 "--run", f"long:{long}", "--run", f"eps3:{other}", "--fit", "short", "--fit", "long",
                                 "--goal", "0.85", "--goal", "0.83@eps3", "--timing", str(s0)]) == 0
     text = capsys.readouterr().out
@@ -59,7 +59,7 @@ def test_main_prints_seed_means_the_fit_and_hours(tmp_path, capsys):
 def test_refuses_unfinished_runs_and_unknown_fit_labels(tmp_path):
     running = _run(tmp_path, "running", [0.6], status="running")
     with pytest.raises(SystemExit, match="not completed"):
-        issue32_epochs.main(["--run", f"x:{running}"])
+        dp_sgd_epochs_curve.main(["--run", f"x:{running}"])
     done = _run(tmp_path, "done", [0.6])
     with pytest.raises(SystemExit, match="no --run/--curve label"):
-        issue32_epochs.main(["--run", f"x:{done}", "--fit", "y"])
+        dp_sgd_epochs_curve.main(["--run", f"x:{done}", "--fit", "y"])

@@ -1,4 +1,4 @@
-"""Issue #32: what per-example clipping does to the head's objective, on silo 0's shard.
+"""What per-example clipping does to the head's objective, on silo 0's shard.
 
 The head is a linear classifier on the mean of the last layer, x -> W x + c. One example's head
 gradient is (p - y) [x, 1]^T, of norm |p - y| * sqrt(|x|^2 + 1). When that norm is above the head's
@@ -14,7 +14,7 @@ the quantiles of the head's per-example gradient norm, the fraction clipped at C
 bias gradient (logit of class 1 minus class 0), unclipped and clipped, as the bias offset moves
 from 0 through cross-entropy's fixed point.
 
-    python -m research.issue32_clip_bias --threads 1 --set task.name='"sst2"' \\
+    python -m research.dp_sgd_clip_bias --threads 1 --set task.name='"sst2"' \\
         --set task.data-dir='"/path/to/glue/SST-2"' --set strategy.name='"fedlora"' \\
         --set model.target-modules='"query,key,value,dense"' --set model.train-head=true \\
         --set model.pooling='"mean"' --set lora.top-layers=3 --set dp.head-clip=0.05

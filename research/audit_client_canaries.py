@@ -1,7 +1,7 @@
-"""Issue #34: canary clients (fedpower_app.audit.client_canaries) at client level, every control.
+"""Canary clients (fedpower_app.audit.client_canaries) at client level, every control.
 
-    python -m research.issue34_client_canaries METHODS EPSILONS CANARIES CLIENTS ROUNDS DIM
-    python -m research.issue34_client_canaries fedlora,ffa-lora,fedpower 2,8 2000 100 10 256
+    python -m research.audit_client_canaries METHODS EPSILONS CANARIES CLIENTS ROUNDS DIM
+    python -m research.audit_client_canaries fedlora,ffa-lora,fedpower 2,8 2000 100 10 256
 """
 import sys
 import time

@@ -1,8 +1,8 @@
-"""Issue #34: the white-box audit inside a federated replay (fedpower_app.audit.white_box.
+"""The white-box audit inside a federated replay (fedpower_app.audit.white_box.
 run_federated_white_box_audit): 3 silos, canaries in every silo's DP-SGD, every method, the correct
 step and every control, at several claimed epsilons.
 
-    python -m research.issue34_federated_white_box --methods fedpower,fedlora,ffa-lora,fedsvd --epsilons 3,8
+    python -m research.audit_federated_white_box --methods fedpower,fedlora,ffa-lora,fedsvd --epsilons 3,8
 
 A 2-layer BERT (hidden 64) with MiniLM's tokenizer, LoRA r = 8 on query,value, the generated task's
 192 rows over 3 silos (64 each), b = 32 (q = 0.5), L = 5, T = 4 (20 DP-SGD steps), C = 1,

@@ -1,4 +1,4 @@
-"""Issue #32: where the time of one DP-SGD step goes, on SST-2 lengths, and what caching the
+"""Where the time of one DP-SGD step goes, on SST-2 lengths, and what caching the
 frozen layers below the lowest adapter could save.
 
 One Poisson batch of expected size b from the whole SST-2 train split, in the product's
@@ -15,7 +15,7 @@ it times, per logical batch (median of ``--repeats``):
   cache of the frozen lower layers' output would save per step (an upper bound of the gain:
   reading the cache is not free).
 
-    python -m research.issue32_timing --batch 1000 --top 6 3 --threads 1
+    python -m research.dp_sgd_step_timing --batch 1000 --top 6 3 --threads 1
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue #32: which sentence representation of the frozen MiniLM a linear head can use best.
+"""Which sentence representation of the frozen MiniLM a linear head can use best.
 
 For ``--train-rows`` random SST-2 train rows and the whole dev split, it computes three frozen
 features of the pretrained model (no LoRA): BERT's pooler output (what the classifier of
@@ -7,7 +7,7 @@ the real tokens (the sentence embedding all-MiniLM-L6-v2 was trained for, ``mode
 "mean"``), and fits a logistic regression (scikit-learn, C = 1) on each. Non-private; it only ranks
 the representations.
 
-    python -m research.issue32_pooling --data-dir /path/to/glue/SST-2 --train-rows 6000 --threads 1
+    python -m research.sentence_pooling --data-dir /path/to/glue/SST-2 --train-rows 6000 --threads 1
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue #32 probes: non-private ceilings and DP-SGD pilots on a validation split carved from TRAIN.
+"""Probes: non-private ceilings and DP-SGD pilots on a validation split carved from TRAIN.
 
 Settings are chosen on ``val`` (``--val-size`` rows of the train split, seeded, never trained on);
 the dev split is only reported. The rest of the train split is cut into ``--silos`` IID shards and
@@ -19,7 +19,7 @@ Every evaluation logs val and dev accuracy and the adapters' scale (RMS of A and
 the norm of the merged update s·B·A summed over modules), one JSON line per evaluation to
 ``--out``.
 
-    python -m research.issue32_probe --mode dp --use-silos 1 --noise-avg 6 \\
+    python -m research.dp_sgd_probe --mode dp --use-silos 1 --noise-avg 6 \\
         --set task.name='"sst2"' --set task.data-dir='"/work/shared/glue/SST-2"' \\
         --set strategy.name='"ffa-lora"' --set train.lr=0.02 --out /tmp/ffa.jsonl
 """

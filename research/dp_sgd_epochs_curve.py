@@ -1,4 +1,4 @@
-"""Issue #32: dev accuracy against the epochs of training data seen, private and non-private, with
+"""Dev accuracy against the epochs of training data seen, private and non-private, with
 the goal, and what the measured private curve says it would take to reach it.
 
 The opening table's runs stop at a fixed schedule. This puts them on one axis, epochs (what a run
@@ -6,7 +6,7 @@ costs here), beside the non-private 6-silo run and the central ceiling, and fits
 finals as ``dev = a + s * log2(epochs)``: the points per doubling of the epochs, and the epochs
 (and hours, at a measured run's pace) at which that line reaches the goal.
 
-    python -m research.issue32_epochs --out results/sst2-dp/fig_sst2_dp_epochs.png --goal 0.86 \\
+    python -m research.dp_sgd_epochs_curve --out results/sst2-dp/fig_sst2_dp_epochs.png --goal 0.86 \\
         --run "DP ε=8, T=14:results/sst2-dp/fed2-fedlora-eps8-mean" \\
         --run "DP ε=8, T=28:results/sst2-dp/fed-fedlora-eps8-s0-T28" \\
         --curve "non-private, central:results/sst2-dp/central-ceiling.json" \\
@@ -30,7 +30,7 @@ import statistics
 from pathlib import Path
 
 from fedpower_app.experiment.report import mean_std
-from research.issue32_figure import DEV  # GLUE's dev split: what the tables report
+from research.sst2_dp_figure import DEV  # GLUE's dev split: what the tables report
 
 
 def epochs_per_round(data: dict) -> float:

@@ -1,9 +1,9 @@
-"""Issue #34: the white-box DP-SGD audit (fedpower_app.audit.white_box) on a tiny BERT, at several
+"""The white-box DP-SGD audit (fedpower_app.audit.white_box) on a tiny BERT, at several
 claimed epsilons, with the correct step and the three positive controls.
 
-    python -m research.issue34_white_box --canaries 4000 --guess-fraction 0.1 --rank 8 \\
+    python -m research.audit_white_box --canaries 4000 --guess-fraction 0.1 --rank 8 \\
         --targets query,value --epsilons 2,8
-    python -m research.issue34_white_box --canaries 20000 --guess-fraction 0.5 --rank 16 \\
+    python -m research.audit_white_box --canaries 20000 --guess-fraction 0.5 --rank 16 \\
         --targets query,key,value,dense --epsilons 8,3
 
 A 2-layer BERT (hidden 64) with MiniLM's tokenizer, LoRA on ``--targets``, the generated task's
