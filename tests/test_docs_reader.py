@@ -168,3 +168,20 @@ def test_every_results_folder_is_cited(top):
         if rel not in cited and path.name not in cited:
             missing.append(rel)
     assert not missing, missing
+
+
+def test_every_test_a_document_names_exists():
+    """docs/privacy.md names a test for each claim; every ``tests/x.py`` and ``tests/x.py::name``
+    that a Markdown file names exists."""
+    missing = []
+    named = 0
+    for path in _markdown_files():
+        for m in re.finditer(r"tests/(test_\w+\.py)(?:::(\w+))?", path.read_text()):
+            named += 1
+            target = PROJECT_ROOT / "tests" / m.group(1)
+            if not target.exists():
+                missing.append(f"{path.name}: {m.group(0)}")
+            elif m.group(2) and not re.search(rf"(?m)^(?:async )?def {m.group(2)}\(", target.read_text()):
+                missing.append(f"{path.name}: {m.group(0)}")
+    assert named > 20
+    assert not missing, missing
