@@ -108,7 +108,7 @@ def test_every_relative_link_and_anchor_in_the_markdown_resolves():
 
 
 # Built so that this file does not match itself.
-WORK_ITEM = re.compile(r"(?i)\bissues?[ _-]*#?[ ]*\d+|(?<![\w/&])#\d+\b|\bgrid\s+#\d+")
+WORK_ITEM = re.compile(r"(?i)\bissues?[ _-]*#?[ ]*\d+|(?<![\w/&(])#\d+\b|\bgrid\s+#\d+")
 WORK_ITEM_NAME = re.compile(r"(?i)issue[_-]?\d+")
 
 
@@ -165,8 +165,13 @@ def test_every_results_folder_is_cited(top):
         if path.name.startswith("."):
             continue
         rel = str(path.relative_to(PROJECT_ROOT))
-        if rel not in cited and path.name not in cited:
+        if not re.search(rf"(?<![\w.-]){re.escape(path.name)}(?![\w.-])", cited):
             missing.append(rel)
+        # a folder of single runs: each run is cited by name too
+        for run in sorted(path.glob("*/results.json")) if path.is_dir() else []:
+            name = run.parent.name
+            if not re.search(rf"(?<![\w.-]){re.escape(name)}(?![\w.-])", cited):
+                missing.append(str(run.parent.relative_to(PROJECT_ROOT)))
     assert not missing, missing
 
 
