@@ -190,3 +190,50 @@ def test_every_test_a_document_names_exists():
                 missing.append(f"{path.name}: {m.group(0)}")
     assert named > 20
     assert not missing, missing
+
+
+def _config_rows() -> dict:
+    text = (PROJECT_ROOT / "docs" / "configuration.md").read_text()
+    rows: dict = {}
+    for m in re.finditer(r"^\| `([a-z0-9.\-]+)` \| ([^|]*) \| ([^|]*) \| (.*) \|$", text, flags=re.M):
+        assert m.group(1) not in rows, f"{m.group(1)} documented twice"
+        rows[m.group(1)] = (m.group(2).strip(), m.group(3).strip(), m.group(4))
+    return rows
+
+
+def _choices(check):
+    """The choice list of a ``config._in(...)`` validator (its closure), or None."""
+    if check is None or check.__code__.co_freevars != ("choices",):
+        return None
+    return tuple(check.__closure__[0].cell_contents)
+
+
+def test_the_configuration_page_is_the_schema():
+    """docs/configuration.md documents every key of the schema once, with its type, its default
+    (pyproject.toml) and every value of its choice list; and no key the schema does not have."""
+    from fedpower_app.config import SCHEMA, pyproject_defaults
+
+    rows = _config_rows()
+    defaults = pyproject_defaults()
+    assert set(rows) == set(SCHEMA), set(rows) ^ set(SCHEMA)
+    wrong = []
+    for key, (typ, check) in SCHEMA.items():
+        doc_type, doc_default, meaning = rows[key]
+        if doc_type != typ.__name__:
+            wrong.append(f"{key}: type {doc_type!r}, schema {typ.__name__!r}")
+        want = defaults[key]
+        if typ is bool:
+            ok = doc_default == str(want).lower()
+        elif typ is str:
+            ok = doc_default == (f"`{want}`" if want else '`""`')
+        elif typ is int:
+            ok = re.fullmatch(r"-?\d+", doc_default) is not None and int(doc_default) == want
+        else:
+            ok = re.fullmatch(r"-?[\d.]+(e-?\d+)?", doc_default) is not None and float(doc_default) == want \
+                and not re.fullmatch(r"-?\d+", doc_default)
+        if not ok:
+            wrong.append(f"{key}: default {doc_default!r}, pyproject {want!r}")
+        for choice in _choices(check) or ():
+            if f"`{choice}`" not in meaning:
+                wrong.append(f"{key}: choice {choice!r} not documented")
+    assert not wrong, "\n".join(wrong)
