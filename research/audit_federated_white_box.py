@@ -1,5 +1,6 @@
-"""The white-box audit inside a federated replay (fedpower_app.audit.white_box.
-run_federated_white_box_audit): 3 silos, canaries in every silo's DP-SGD, every method, the correct
+"""The white-box DP-SGD audit inside a federated replay, every method and every control.
+
+``fedpower_app.audit.white_box.run_federated_white_box_audit``: 3 silos, canaries in every silo's DP-SGD, every method, the correct
 step and every control, at several claimed epsilons.
 
     python -m research.audit_federated_white_box --methods fedpower,fedlora,ffa-lora,fedsvd --epsilons 3,8

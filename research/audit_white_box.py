@@ -1,5 +1,7 @@
-"""The white-box DP-SGD audit (fedpower_app.audit.white_box) on a tiny BERT, at several
-claimed epsilons, with the correct step and the three positive controls.
+"""The white-box DP-SGD audit on one silo, with the correct step and its positive controls.
+
+``fedpower_app.audit.white_box`` on a tiny BERT, at several claimed epsilons, with the correct step
+and the three positive controls.
 
     python -m research.audit_white_box --canaries 4000 --guess-fraction 0.1 --rank 8 \\
         --targets query,value --epsilons 2,8

@@ -1,5 +1,7 @@
-"""Dev accuracy against the epochs of training data seen, private and non-private, with
-the goal, and what the measured private curve says it would take to reach it.
+"""Dev accuracy against epochs, private and non-private, and what the goals would take.
+
+Dev accuracy against the epochs of training data seen, private and non-private, with the goal, and
+what the measured private curve says it would take to reach it.
 
 The opening table's runs stop at a fixed schedule. This puts them on one axis, epochs (what a run
 costs here), beside the non-private 6-silo run and the central ceiling, and fits the private

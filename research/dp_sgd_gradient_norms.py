@@ -1,5 +1,6 @@
-"""Per-example gradient norms at the initial adapters, and the signal that survives
-clipping at C, on silo 0's shard.
+"""Per-example gradient norms, and the signal that survives clipping at C, on silo 0's shard.
+
+At the initial adapters (or, with ``--adapter``, at a run's released ones).
 
 For the strategy's trainable set (FFA-LoRA: B only), over ``--examples`` examples:
 

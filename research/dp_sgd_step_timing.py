@@ -1,5 +1,7 @@
-"""Where the time of one DP-SGD step goes, on SST-2 lengths, and what caching the
-frozen layers below the lowest adapter could save.
+"""Where the time of one DP-SGD step goes on SST-2, and what caching the frozen layers saves.
+
+Where the time of one DP-SGD step goes, on SST-2 lengths, and what caching the frozen layers below
+the lowest adapter could save.
 
 One Poisson batch of expected size b from the whole SST-2 train split, in the product's
 length-sorted physical chunks of 128. For each LoRA placement (all 6 layers, or only the top k)

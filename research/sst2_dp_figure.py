@@ -1,5 +1,7 @@
-"""The opening table's seeds, as one figure of accuracy per round with bands, and the
-mean ± std of each (method, ε) over its seeds' final rounds.
+"""The SST-2 table's figures (accuracy per round, mean ± std band) and its mean ± std per cell.
+
+The opening table's seeds, as one figure of accuracy per round with bands, and the mean ± std of
+each (method, ε) over its seeds' final rounds.
 
 The SST-2 cells of RESULTS.md's opening table ran as single federated runs
 (``benchmarks.inprocess_run``), one results directory per (method, ε, seed). This reads them and

@@ -148,7 +148,8 @@ def test_every_research_script_is_cited_and_says_what_it_measures():
     assert scripts
     for path in scripts:
         doc = ast.get_docstring(ast.parse(path.read_text()))
-        assert doc and doc.splitlines()[0].strip(), f"{path.name}: no one-line docstring"
+        assert doc and doc.split("\n\n")[0].strip() and "\n" not in doc.split("\n\n")[0].strip(), \
+            f"{path.name}: its docstring does not open with one line saying what it measures"
         name = path.stem
         assert f"research.{name}" in cited or f"research/{name}.py" in cited, \
             f"research/{path.name} is cited by neither RESULTS.md nor BENCHMARKS.md"
