@@ -194,7 +194,7 @@ METHOD_PRESETS = PROJECT_ROOT / "conf" / "methods"
 
 
 def method_preset_path(method: str) -> Path:
-    """``conf/methods/<method>.toml``: the settings a method was tuned at (issue #32)."""
+    """``conf/methods/<method>.toml``: the settings a method was tuned at."""
     return METHOD_PRESETS / f"{method}.toml"
 
 

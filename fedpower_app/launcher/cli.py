@@ -318,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
                                       f"{getattr(spec, key)}; {value} would be another federation (leave it out "
                                       "to resume with the run's own)")
             spec.overrides = overrides
-        else:  # the method's tuned settings, where neither the preset nor --set chose (issue #32)
+        else:  # the method's tuned settings, where neither the preset nor --set chose
             overrides, from_method, method_source = with_method_preset(overrides, explicit=sets)
             if from_method:
                 print(f"fedpower-run: {overrides.get('strategy.name')} runs at its method preset "
