@@ -4,7 +4,7 @@
 * ``masking``: key agreement, the AES-CTR mask generator, the sparse neighbour graph, Shamir shares
   (Flower's ``flwr.common.secure_aggregation`` primitives where they fit);
 * ``protocol``: the four-stage SecAgg+ client and server, dropouts up to the threshold, refusal past it;
-* ``discrete_gaussian`` and ``distributed_dp``: each client's share of discrete Gaussian noise, the
+* ``distributed_dp``: the discrete Gaussian sampler, each client's share of discrete Gaussian noise, the
   calibration and the RDP accounting of the sum (Kairouz, Liu & Steinke 2021);
 * ``power``: FedPower's factored power iteration through secure sums of thin matrices.
 
