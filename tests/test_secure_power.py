@@ -47,3 +47,35 @@ def test_bad_factors_are_refused():
         secure_power_iteration(factors + [(np.ones((5, 2)), np.ones((2, 9)))], a_prev, 1)
     with pytest.raises(ValueError, match="iters"):
         secure_power_iteration(factors, a_prev, 0)
+
+
+def test_clipping_and_the_public_part_match_the_dense_iteration_on_the_client_level_merge():
+    factors, a_prev = _clients(seed=3)
+    rng = np.random.default_rng(4)
+    Bg, Ag = rng.normal(size=(12, 2)), rng.normal(size=(2, 9))
+    C, m = 0.5, 5.0
+    B, A = secure_power_iteration(factors, a_prev, 2, clip=C, public=(Bg, Ag), denominator=m)
+    clipped = [(B_i * min(1, C / np.linalg.norm(B_i @ A_i)), A_i) for B_i, A_i in factors]
+    merged = [(Bg, Ag)] + [(B_i / m, A_i) for B_i, A_i in clipped]
+    Bd, Ad = _dense(merged, a_prev, 2)
+    assert np.allclose(B @ A, Bd @ Ad, atol=1e-10)
+
+
+def test_the_iteration_carries_distributed_noise_of_the_calibrated_size():
+    from strategies.secure_sum.distributed_dp import DistributedDiscreteGaussian
+    from strategies.secure_sum.power import noisy_secure_sum
+
+    factors, a_prev = _clients(k=5, m=40, n=30, seed=5)
+
+    def mech(size):
+        return DistributedDiscreteGaussian(clip=1.0, scale=200.0, local_std=40.0, dimension=size, bits=40,
+                                           num_clients=5, min_contributors=4)
+
+    noisy = noisy_secure_sum(mech, threshold=4, rng=np.random.default_rng(6), drop={3: "unmask"})
+    Y = noisy([B @ (A @ np.linalg.qr(a_prev.T)[0]) for B, A in factors])
+    clipped = [B * min(1, 1.0 / np.linalg.norm(B @ A)) @ (A @ np.linalg.qr(a_prev.T)[0]) for B, A in factors]
+    resid = Y - np.sum(clipped, axis=0)
+    target = mech(Y.size).sum_std(5)  # unmask dropout: all five masked inputs are in the sum
+    assert 0.7 * target < resid.std() < 1.3 * target
+    B, A = secure_power_iteration(factors, a_prev, 1, noisy, clip=1.0)
+    assert np.allclose(A @ A.T, np.eye(2), atol=1e-10)
