@@ -42,7 +42,7 @@ from dataclasses import asdict
 from typing import Any, Optional, Sequence
 
 from ..config import ConfigError, RunConfig, load_preset, parse_config, with_method_preset
-from .gpu import DEFAULT_CUDA_CONTEXT, DEFAULT_HEADROOM, fmt, gpu_fit, parse_size
+from .gpu import DEFAULT_CUDA_CONTEXT, DEFAULT_HEADROOM, fmt, gpu_fit, parse_size, server_need
 from .plan import FLOAT32, MemoryPlan, plan_memory
 
 # ------------------------------------------------------------------------------------------------
@@ -169,6 +169,9 @@ def render(plan: MemoryPlan, fits: list, *, source: str = "") -> str:
                 f"({fmt(plan.gpu_tensor_bytes())} x {1 + fit['headroom']:.2f} headroom + {fmt(fit['cuda_context'])} "
                 f"CUDA context)")
         L.append(head)
+        if fit.get("reserved"):
+            L.append(f"  the ServerApp takes {fmt(fit['reserved'])} of the first GPU (its model and central evaluation, "
+                     "outside Ray's num-gpus; server-device = \"cpu\" frees it)")
         if fit["fits"]:
             L.append(f"  -> num-gpus = {fit['num_gpus']:g}: {fit['per_gpu']} ClientApp(s) per GPU, "
                      f"{fmt(fit['used'])} of {fmt(G)} "
@@ -176,7 +179,7 @@ def render(plan: MemoryPlan, fits: list, *, source: str = "") -> str:
                      f"client-resources-num-gpus)")
         else:
             L.append(f"  -> DOES NOT FIT at chunks of {plan.chunk}; chunks of at most {fit['largest_chunk']} examples "
-                     f"would (PHYSICAL_BATCH_SIZE in fedpower_app/training/loops.py), or lower task.max-length")
+                     f"would (train.physical-batch-size), or lower task.max-length")
     for note in plan.notes:
         L.append(f"note: {note}")
     return "\n".join(L)
@@ -202,7 +205,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         torch.set_num_threads(1)
         plan = plan_memory(cfg)
-        fits = [gpu_fit(plan, g, headroom=args.headroom, cuda_context=context) for g in gpus]
+        # The ServerApp sits on the first GPU unless server-device = "cpu": outside Ray's accounting,
+        # so the fit leaves it room there (the fraction is per GPU: Ray places the same k on each).
+        reserve = 0.0 if cfg["server-device"] == "cpu" else server_need(plan, args.headroom, context)
+        fits = [gpu_fit(plan, g, headroom=args.headroom, cuda_context=context, reserve=reserve) for g in gpus]
     except ValueError as e:  # ConfigError is a ValueError
         print(f"fedpower-memory: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2

@@ -44,11 +44,23 @@ def fmt(n: float) -> str:
 # ------------------------------------------------------------------------------------------------
 # fitting a GPU: the Ray num-gpus fraction
 # ------------------------------------------------------------------------------------------------
+def server_need(plan: MemoryPlan, headroom: float = DEFAULT_HEADROOM,
+                cuda_context: int = DEFAULT_CUDA_CONTEXT) -> float:
+    """The ServerApp's share of the GPU it sits on (``server-device`` not ``cpu``): its copy of the
+    model and a central evaluation's no-gradient pass (its merge and refactorization work on the
+    thin factors, far smaller), with the same headroom and CUDA context as a ClientApp. It runs
+    outside Ray, so Ray's ``num-gpus`` does not count it: the fit leaves it room on the first GPU."""
+    return (plan.weights + plan.no_grad_peak) * (1 + headroom) + cuda_context
+
+
 def gpu_fit(plan: MemoryPlan, gpu_memory: int, *, headroom: float = DEFAULT_HEADROOM,
-            cuda_context: int = DEFAULT_CUDA_CONTEXT) -> dict[str, Any]:
+            cuda_context: int = DEFAULT_CUDA_CONTEXT, reserve: float = 0.0) -> dict[str, Any]:
     """How many ClientApps of ``plan`` fit a GPU of ``gpu_memory`` bytes, and the ``num-gpus``
     fraction that makes Ray place that many: 1/k, truncated to Ray's 4 decimals so that k of them
-    still sum to <= 1. Raises ValueError when not even one example fits."""
+    still sum to <= 1. ``reserve``: bytes already taken on that GPU (the ServerApp's,
+    ``server_need``). Raises ValueError when not even one example fits."""
+    total = gpu_memory
+    gpu_memory = int(max(0.0, gpu_memory - reserve))
     need = plan.gpu_need(headroom, cuda_context)
     one = need if need <= gpu_memory else plan.gpu_need(headroom, cuda_context, chunk=1)
     if one > gpu_memory:
@@ -57,7 +69,7 @@ def gpu_fit(plan: MemoryPlan, gpu_memory: int, *, headroom: float = DEFAULT_HEAD
                          f"(weights {fmt(plan.weights)}, CUDA context {fmt(cuda_context)}, "
                          f"{headroom:.0%} headroom)")
     per_gpu = int(gpu_memory // need)
-    out: dict[str, Any] = {"gpu_memory": gpu_memory, "need": need, "headroom": headroom,
+    out: dict[str, Any] = {"gpu_memory": total, "need": need, "headroom": headroom, "reserved": reserve,
                            "cuda_context": cuda_context, "fits": per_gpu >= 1}
     if per_gpu >= 1:
         fraction = math.floor(10000 / per_gpu) / 10000

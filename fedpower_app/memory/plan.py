@@ -31,8 +31,9 @@ def physical_chunk(cfg: RunConfig) -> tuple[int, int, str]:
     else:
         top = b
         what = f"batches of b = {b}"
-    chunk = min(PHYSICAL_BATCH_SIZE, top)
-    return chunk, max(1, math.ceil(top / PHYSICAL_BATCH_SIZE)), f"{what}, in chunks of <= {PHYSICAL_BATCH_SIZE}"
+    size = cfg["train.physical-batch-size"] or PHYSICAL_BATCH_SIZE  # the GPU's chunk, unless the run sets one
+    chunk = min(size, top)
+    return chunk, max(1, math.ceil(top / size)), f"{what}, in chunks of <= {size}"
 
 
 @dataclass
