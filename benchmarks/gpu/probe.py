@@ -95,7 +95,7 @@ def main(argv=None) -> int:
     from fedpower_app.launcher import parse_set
     from fedpower_app.training.dp_sgd import DPSGDParams, dp_sgd_train_local
     from fedpower_app.training.frozen_prefix import build_prefix_cache, lowest_adapted_layer
-    from fedpower_app.training.loops import evaluate, physical_batch_size_for
+    from fedpower_app.training.loops import evaluate, physical_batch_size_for, uses_bf16
 
     sets = parse_set(a.set)
     overrides, _, _ = with_method_preset({**load_preset(a.preset), **sets}, explicit=set(sets))  # as the run
@@ -103,6 +103,7 @@ def main(argv=None) -> int:
     cfg = parse_config(overrides)
     device = M.resolve_device(cfg["device"])
     precision = cfg["train.precision"]
+    forward = "bf16 autocast" if uses_bf16(device, precision) else "float32"
     B, L = cfg["train.batch-size"], cfg["train.local-steps"]
     cases = a.case or [f"{B}", f"{max(1, B // 4)}", f"{B}:1024"]
     parsed = []
@@ -126,7 +127,7 @@ def main(argv=None) -> int:
     first_layer = lowest_adapted_layer(model) if cfg["train.cache-frozen"] else 0
     touched = params_touched(model, first_layer)
     print(f"probe: {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}), "
-          f"precision {precision}; silo 0 of {a.silos}: {len(shard)} rows; model and data {load_s:.1f} s; "
+          f"train.precision {precision} ({forward}); silo 0 of {a.silos}: {len(shard)} rows; model and data {load_s:.1f} s; "
           f"frozen-prefix cache {cache_s:.1f} s; {touched:,} parameters touched per token "
           f"(layers >= {first_layer} and the head), {M.count_trainable(model):,} trainable", flush=True)
 
@@ -211,7 +212,7 @@ def main(argv=None) -> int:
                  "self_device_ms": self_device_us(e) / 1e3} for e in top]
     if a.profile:
         with open(a.profile, "w") as fh:
-            fh.write(f"one DP-SGD step, b {b0}, chunk {c0 or auto_chunk}, {device}, precision {precision}; "
+            fh.write(f"one DP-SGD step, b {b0}, chunk {c0 or auto_chunk}, {device}, forward in {forward}; "
                      f"wall {prof_wall * 1e3:.1f} ms under the profiler"
                      + (f"; device busy {device_busy_s * 1e3:.1f} ms" if device_busy_s is not None else "") + "\n\n")
             fh.write(f"sorted by {sort_key}\n{device_table}\n\nsorted by self_cpu_time_total\n{cpu_table}\n")
@@ -227,7 +228,7 @@ def main(argv=None) -> int:
     silo_rows = len(shard)
     out = {"benchmark": "gpu-probe", "device": str(device),
            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-           "torch": torch.__version__, "cuda": torch.version.cuda, "precision": precision,
+           "torch": torch.__version__, "cuda": torch.version.cuda, "precision": precision, "forward": forward,
            "preset": a.preset, "set": a.set, "silos": a.silos, "silo_rows": silo_rows,
            "load_seconds": load_s, "cache_seconds": cache_s, "cache_seconds_per_1000_rows": 1000 * cache_s / max(1, silo_rows),
            "eval_seconds": eval_s, "eval_rows": eval_rows, "params_touched": touched, "first_layer": first_layer,

@@ -80,7 +80,7 @@ stage() {
 }
 
 # --- setup: packages, model, data -------------------------------------------------------------
-setup() {
+setup() (  # a subshell: its set -e stays inside
   set -e
   if python3 -c "import flwr, opacus, dp_accounting" 2>/dev/null; then
     echo "setup: flwr, opacus and dp_accounting import already: no install"
@@ -101,7 +101,7 @@ setup() {
     rm -rf "$WORK/SST-2" && tar -xJf "$CARRY/SST-2.tar.xz" -C "$WORK"
     echo "setup: SST-2 at $WORK/SST-2 ($(wc -l < "$WORK/SST-2/train.tsv") train lines)"
   fi
-}
+)
 s=$(date +%s)
 setup > "$R/setup.log" 2>&1; rc=$?
 cat "$R/setup.log"
@@ -148,7 +148,8 @@ for name in ("transformers", "peft", "flwr", "opacus", "dp_accounting", "grpc", 
         print(name, "NOT IMPORTABLE:", exc)
 EOF
 }
-stage environment 60 5 environment
+export -f environment
+stage environment 60 5 bash -c environment
 if (( TESTS )); then
   if [[ -f tests/test_gpu.py ]]; then
     stage tests "$TEST_MAX" 20 python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider

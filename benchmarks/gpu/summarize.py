@@ -81,7 +81,7 @@ def run_lines(root: Path, plan: dict | None) -> list[str]:
         out.append(f"run {path.parent.name}: {res.get('status')}, {len(rounds)}/{planned} rounds"
                    f" ({_fmt(epochs, '.1f')} epochs), {cfg.get('strategy.name')}, b {cfg.get('train.batch-size')},"
                    f" L {cfg.get('train.local-steps')}, sigma {_fmt(sigma, '.3f')}, device {cfg.get('device')}")
-        out.append(f"    final: validation {_fmt(last.get('validation-from-train-accuracy'))}, dev (872) "
+        out.append(f"    final: validation {_fmt(last.get('validation-from-train-accuracy'))}, dev "
                    f"{_fmt(last.get('validation-accuracy'))} (best dev {_fmt(best_dev)}); eps "
                    f"{_fmt(pf.get('epsilon_spent', last.get('epsilon')), '.3f')}; wall {_fmt(wall, '.0f')} s,"
                    f" {_fmt(per_round, '.2f')} s a round after the first")
@@ -110,7 +110,7 @@ def main(argv=None) -> int:
 
     probe = _json(root / "probe.json")
     if probe:
-        lines.append(f"probe ({probe['device_name']}, {probe['precision']}; silo of {probe['silo_rows']} rows; "
+        lines.append(f"probe ({probe['device_name']}, {probe.get('forward', probe['precision'])}; silo of {probe['silo_rows']} rows; "
                      f"FLOPs = {probe['flop_formula']}, {probe['params_touched']:,} parameters):")
         lines.append(f"    {'b':>6} {'chunk':>6} {'steps/s':>9} {'examples/s':>11} {'TFLOP/s':>9} {'% of peak':>10}")
         for c in probe["cases"]:
