@@ -80,34 +80,18 @@ stage() {
 }
 
 # --- setup: packages, model, data -------------------------------------------------------------
-setup() (  # a subshell: its set -e stays inside
-  set -e
-  if python3 -c "import flwr, opacus, dp_accounting" 2>/dev/null; then
-    echo "setup: flwr, opacus and dp_accounting import already: no install"
-  else
-    [[ -f $CARRY/site-cp312.tar.xz ]] || { echo "setup: $CARRY/site-cp312.tar.xz is missing (run benchmarks/gpu/prepare.sh, carry .gpu-carry)"; return 1; }
-    mkdir -p /tmp/site
-    tar -xJf "$CARRY/site-cp312.tar.xz" -C /tmp/site
-    echo "setup: installed the carried packages into /tmp/site"
-  fi
-  if [[ -f $CARRY/minilm-fp16/model.safetensors.xz ]]; then
-    rm -rf "$WORK/minilm-fp16" && mkdir -p "$WORK/minilm-fp16"
-    find "$CARRY/minilm-fp16" -maxdepth 1 -type f ! -name 'model.safetensors.xz' ! -name SHA256 -exec cp {} "$WORK/minilm-fp16/" \;
-    xz -dc "$CARRY/minilm-fp16/model.safetensors.xz" > "$WORK/minilm-fp16/model.safetensors"
-    (cd "$WORK/minilm-fp16" && sha256sum -c --quiet "$CARRY/minilm-fp16/SHA256")
-    echo "setup: MiniLM in float16 at $WORK/minilm-fp16 (checksum ok)"
-  fi
-  if [[ -f $CARRY/SST-2.tar.xz ]]; then
-    rm -rf "$WORK/SST-2" && tar -xJf "$CARRY/SST-2.tar.xz" -C "$WORK"
-    echo "setup: SST-2 at $WORK/SST-2 ($(wc -l < "$WORK/SST-2/train.tsv") train lines)"
-  fi
-)
+SITE=""  # where the carried packages go, when this Python lacks them
+python3 -c "import flwr, opacus, dp_accounting" 2>/dev/null || SITE=${SITE_DIR:-/tmp/site}
 s=$(date +%s)
-setup > "$R/setup.log" 2>&1; rc=$?
-cat "$R/setup.log"
-printf 'setup\t%s\t%s\t-\n' "$rc" "$(( $(date +%s) - s ))" >> "$R/stages.tsv"
-[[ -d /tmp/site ]] && export PYTHONPATH="$ROOT:/tmp/site${PYTHONPATH:+:$PYTHONPATH}" PATH="/tmp/site/bin:$PATH" \
-                   || export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+if [[ -z $SITE ]]; then echo "setup: flwr, opacus and dp_accounting import already: no install"; fi
+python3 benchmarks/gpu/unpack.py --carry "$CARRY" --work "$WORK" ${SITE:+--site "$SITE"} 2>&1 | tee "$R/setup.log"
+printf 'setup\t%s\t%s\t-\n' "${PIPESTATUS[0]}" "$(( $(date +%s) - s ))" >> "$R/stages.tsv"
+if [[ -n $SITE ]]; then
+  export PYTHONPATH="$ROOT:$SITE${PYTHONPATH:+:$PYTHONPATH}" PATH="$SITE/bin:$PATH"
+  python3 -c "import flwr, opacus, dp_accounting" || echo "run.sh: the carried packages do not import: the stages below will fail"
+else
+  export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+fi
 export FEDPOWER_CACHE="$WORK/cache"
 if [[ -f $WORK/minilm-fp16/model.safetensors ]]; then MODEL="$WORK/minilm-fp16"; else MODEL=minilm; fi
 if [[ -f $WORK/SST-2/train.tsv ]]; then DATA="$WORK/SST-2"; else DATA=${GLUE_SST2_DIR:-/work/shared/glue/SST-2}; fi
