@@ -182,48 +182,8 @@ def main(argv=None) -> int:
               f"{row['examples_per_s']:9.0f} examples/s, {row['model_tflops']:7.2f} TFLOP/s "
               f"({100 * row['peak_share']:.2f} % of {a.peak_tflops:.0f}); {steps} steps in {seconds:.1f} s", flush=True)
 
-    # Where one step's time goes (the first case: the preset's b at the product's chunk).
-    b0, c0 = parsed[0]
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    _sync(device)
-    t0 = time.perf_counter()
-    with profile(activities=activities) as prof:
-        run_steps(b0, c0, 1)
-        _sync(device)
-    prof_wall = time.perf_counter() - t0
-    averages = prof.key_averages()
-    sort_key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    device_table = averages.table(sort_by=sort_key, row_limit=25)
-    cpu_table = averages.table(sort_by="self_cpu_time_total", row_limit=25)
-
-    def self_device_us(evt) -> float:
-        for attr in ("self_device_time_total", "self_cuda_time_total"):
-            v = getattr(evt, attr, None)
-            if v is not None:
-                return float(v)
-        return 0.0
-
-    device_busy_s = sum(self_device_us(e) for e in averages) / 1e6 if device.type == "cuda" else None
-    top = sorted(averages, key=(self_device_us if device.type == "cuda" else (lambda e: e.self_cpu_time_total)),
-                 reverse=True)[:10]
-    top_rows = [{"op": e.key, "calls": e.count, "self_cpu_ms": e.self_cpu_time_total / 1e3,
-                 "self_device_ms": self_device_us(e) / 1e3} for e in top]
-    if a.profile:
-        with open(a.profile, "w") as fh:
-            fh.write(f"one DP-SGD step, b {b0}, chunk {c0 or auto_chunk}, {device}, forward in {forward}; "
-                     f"wall {prof_wall * 1e3:.1f} ms under the profiler"
-                     + (f"; device busy {device_busy_s * 1e3:.1f} ms" if device_busy_s is not None else "") + "\n\n")
-            fh.write(f"sorted by {sort_key}\n{device_table}\n\nsorted by self_cpu_time_total\n{cpu_table}\n")
-    print(f"probe: one step of b {b0} under the profiler: {prof_wall * 1e3:.0f} ms wall"
-          + (f", device busy {device_busy_s * 1e3:.0f} ms ({100 * device_busy_s / prof_wall:.0f} %)"
-             if device_busy_s is not None else ""))
-    for r in top_rows[:8]:
-        print(f"probe:   {r['op'][:48]:<48} x{r['calls']:<5} self cpu {r['self_cpu_ms']:8.2f} ms"
-              f"  self device {r['self_device_ms']:8.2f} ms")
-
-    # What a round of the run costs at the preset's b, on the product's chunk.
+    # What a round of the run costs at the preset's b, on the product's chunk. Saved before the
+    # profile, so a failure there keeps the numbers.
     main_case = next((r for r in results if r["batch"] == B and r["chunk_is_products"]), results[0])
     silo_rows = len(shard)
     out = {"benchmark": "gpu-probe", "device": str(device),
@@ -233,23 +193,72 @@ def main(argv=None) -> int:
            "load_seconds": load_s, "cache_seconds": cache_s, "cache_seconds_per_1000_rows": 1000 * cache_s / max(1, silo_rows),
            "eval_seconds": eval_s, "eval_rows": eval_rows, "params_touched": touched, "first_layer": first_layer,
            "flop_formula": "6 x params_touched x padded tokens of the step's chunks",
-           "peak_tflops": a.peak_tflops, "cases": results, "profile_step_wall_s": prof_wall,
-           "profile_device_busy_s": device_busy_s, "profile_top": top_rows,
+           "peak_tflops": a.peak_tflops, "cases": results,
            "round_estimate": {"batch": B, "local_steps": L, "silos": a.silos,
                               "train_seconds": a.silos * L * main_case["seconds_per_step"],
                               "eval_seconds": eval_s,
                               "seconds": a.silos * L * main_case["seconds_per_step"] + eval_s,
                               "epochs_per_round": L * B / silo_rows,
-                              "cache_seconds_all_silos": a.silos * cache_s},
-           "probe_seconds": time.perf_counter() - t_start}
-    if a.json:
-        with open(a.json, "w") as fh:
-            json.dump(out, fh, indent=1)
+                              "cache_seconds_all_silos": a.silos * cache_s}}
+
+    def save() -> None:
+        out["probe_seconds"] = time.perf_counter() - t_start
+        if a.json:
+            with open(a.json, "w") as fh:
+                json.dump(out, fh, indent=1)
+
+    save()
     r = out["round_estimate"]
     print(f"probe: a round at b {B}, L {L}, {a.silos} silos: about {r['seconds']:.2f} s "
           f"({r['train_seconds']:.2f} s training, {eval_s:.2f} s evaluating {eval_rows} rows), "
-          f"{r['epochs_per_round']:.3f} epochs; caches for all silos about {r['cache_seconds_all_silos']:.1f} s")
+          f"{r['epochs_per_round']:.3f} epochs; caches for all silos about {r['cache_seconds_all_silos']:.1f} s", flush=True)
+
+    # Where one step's time goes (the first case: the preset's b at the product's chunk).
+    b0, c0 = parsed[0]
+    try:
+        out.update(profile_step(lambda: run_steps(b0, c0, 1), device, a.profile,
+                                f"one DP-SGD step, b {b0}, chunk {c0 or auto_chunk}, {device}, forward in {forward}"))
+    except Exception as exc:  # the numbers above stand without the profile
+        out["profile_error"] = f"{type(exc).__name__}: {exc}"
+        print(f"probe: the profiler failed: {out['profile_error']}")
+    save()
     return 0
+
+
+def profile_step(step, device: torch.device, path: str, title: str) -> dict:
+    """Run ``step`` once under torch.profiler; write its tables to ``path``; return the summary."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def self_device_us(evt) -> float:
+        return float(getattr(evt, "self_device_time_total", 0.0) or 0.0)
+
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    _sync(device)
+    t0 = time.perf_counter()
+    with profile(activities=activities) as prof:
+        step()
+        _sync(device)
+    wall = time.perf_counter() - t0
+    averages = prof.key_averages()
+    sort_key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    busy = sum(self_device_us(e) for e in averages) / 1e6 if cuda else None
+    top = sorted(averages, key=(self_device_us if cuda else (lambda e: e.self_cpu_time_total)), reverse=True)[:10]
+    top_rows = [{"op": e.key, "calls": e.count, "self_cpu_ms": e.self_cpu_time_total / 1e3,
+                 "self_device_ms": self_device_us(e) / 1e3} for e in top]
+    if path:
+        with open(path, "w") as fh:
+            fh.write(f"{title}; wall {wall * 1e3:.1f} ms under the profiler"
+                     + (f"; device busy {busy * 1e3:.1f} ms" if busy is not None else "") + "\n\n")
+            fh.write(f"sorted by {sort_key}\n{averages.table(sort_by=sort_key, row_limit=25)}\n\n")
+            if cuda:
+                fh.write(f"sorted by self_cpu_time_total\n{averages.table(sort_by='self_cpu_time_total', row_limit=25)}\n")
+    print(f"probe: {title}, under the profiler: {wall * 1e3:.0f} ms wall"
+          + (f", device busy {busy * 1e3:.0f} ms ({100 * busy / wall:.0f} %)" if busy is not None else ""))
+    for r in top_rows[:8]:
+        print(f"probe:   {r['op'][:48]:<48} x{r['calls']:<5} self cpu {r['self_cpu_ms']:8.2f} ms"
+              f"  self device {r['self_device_ms']:8.2f} ms")
+    return {"profile_step_wall_s": wall, "profile_device_busy_s": busy, "profile_top": top_rows}
 
 
 if __name__ == "__main__":

@@ -136,7 +136,7 @@ export -f environment
 stage environment 60 5 bash -c environment
 if (( TESTS )); then
   if [[ -f tests/test_gpu.py ]]; then
-    stage tests "$TEST_MAX" 20 python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider
+    stage tests "$TEST_MAX" 20 python3 -m pytest -q -rfEs --durations=10 -m gpu tests/test_gpu.py -p no:cacheprovider
   else
     echo "run.sh: [tests] tests/test_gpu.py does not exist here: skipped"
     printf 'tests\tabsent\t0\t-\n' >> "$R/stages.tsv"
@@ -151,15 +151,15 @@ stage probe "$PROBE_MAX" 30 python3 -m benchmarks.gpu.probe --preset "$PRESET" "
 RUN_LEFT=$(left)
 ROUNDS=$(python3 benchmarks/gpu/size_run.py --preset "$PRESET" --probe "$R/probe.json" --seconds "$RUN_LEFT" \
          --max-rounds "$MAX_ROUNDS" --json "$R/run_plan.json" "${SETS[@]}")
-echo "run.sh: [run] plan: $(cat "$R/run_plan.json" 2>/dev/null)"
+echo "run.sh: [sst2_run] plan: $(cat "$R/run_plan.json" 2>/dev/null)"
 if [[ $ROUNDS =~ ^[0-9]+$ ]] && (( ROUNDS >= 1 )); then
   NAME="sst2-${STRATEGY}-eps8-gpu-T${ROUNDS}"
-  stage run "$RUN_LEFT" 30 python3 -m benchmarks.inprocess_run --preset "$PRESET" --clients 6 --data-dir "$DATA" \
+  stage sst2_run "$RUN_LEFT" 30 python3 -m benchmarks.inprocess_run --preset "$PRESET" --clients 6 --data-dir "$DATA" \
     --set "device=\"$DEVICE\"" --set "model.name=\"$MODEL\"" --set "strategy.name=\"$STRATEGY\"" \
     --set "num-server-rounds=$ROUNDS" "${SETS[@]}" --out "$R/runs" --name "$NAME" --threads "$THREADS"
 else
-  echo "run.sh: [run] skipped: no round fits ($ROUNDS)"
-  printf 'run\tskipped\t0\t%s\n' "$RUN_LEFT" >> "$R/stages.tsv"
+  echo "run.sh: [sst2_run] skipped: no round fits ($ROUNDS)"
+  printf 'sst2_run\tskipped\t0\t%s\n' "$RUN_LEFT" >> "$R/stages.tsv"
 fi
 
 # --- d. summary and the pack ------------------------------------------------------------------

@@ -64,7 +64,7 @@ def main(argv=None) -> int:
                fallback_rounds=a.fallback_rounds)
     out["preset_rounds"] = preset_rounds
     if a.json:
-        Path(a.json).write_text(json.dumps(out, indent=1))
+        Path(a.json).write_text(json.dumps(out))
     print(out["rounds"])
     return 0
 

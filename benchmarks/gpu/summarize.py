@@ -117,10 +117,13 @@ def main(argv=None) -> int:
             lines.append(f"    {c['batch']:>6} {c['chunk']:>6} {c['steps_per_s']:>9.2f} {c['examples_per_s']:>11.0f}"
                          f" {c['model_tflops']:>9.2f} {100 * c['peak_share']:>9.2f}%")
         busy = probe.get("profile_device_busy_s")
-        lines.append(f"    one step under the profiler: {1e3 * probe['profile_step_wall_s']:.0f} ms wall"
-                     + (f", device busy {1e3 * busy:.0f} ms" if busy is not None else "")
-                     + "; top ops: " + "; ".join(f"{r['op'][:40]} {r['self_device_ms'] or r['self_cpu_ms']:.1f} ms"
-                                                 for r in probe.get("profile_top", [])[:4]))
+        if "profile_step_wall_s" in probe:
+            lines.append(f"    one step under the profiler: {1e3 * probe['profile_step_wall_s']:.0f} ms wall"
+                         + (f", device busy {1e3 * busy:.0f} ms" if busy is not None else "")
+                         + "; top ops: " + "; ".join(f"{r['op'][:40]} {r['self_device_ms'] or r['self_cpu_ms']:.1f} ms"
+                                                     for r in probe.get("profile_top", [])[:4]))
+        else:
+            lines.append(f"    no profile ({probe.get('profile_error', 'the probe stopped before it')})")
         r = probe["round_estimate"]
         lines.append(f"    cache {probe['cache_seconds']:.1f} s a silo; evaluation {probe['eval_seconds']:.2f} s;"
                      f" a round ~{r['seconds']:.2f} s ({r['epochs_per_round']:.3f} epochs)")
