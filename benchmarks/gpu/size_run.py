@@ -1,0 +1,73 @@
+"""How many rounds of the GPU recipe fit in the seconds left, from the throughput probe's numbers.
+
+Prints the number of rounds (0: none fits) on stdout and writes the plan as JSON. A round costs
+what the probe measured (6 silos x L DP-SGD steps at the preset's b, and the server's evaluation),
+times ``--overhead`` for what the probe does not see (Flower's messages, the adapters' load and
+save, the accountant, results.json and the checkpoint every round); the run also pays once for
+its start (imports, model and data, the privacy calibration: ``--startup`` seconds plus the probe's
+load time) and for every silo's frozen-prefix cache. The rounds never exceed the preset's
+num-server-rounds (its epochs target) nor ``--max-rounds`` when given. Fewer rounds than the
+preset's is still an eps = 8 run: the server calibrates sigma for the rounds it will run.
+
+    python benchmarks/gpu/size_run.py --preset conf/sst2-dp-gpu.toml --probe probe.json --seconds 300
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import tomllib
+from pathlib import Path
+
+
+def plan(preset_rounds: int, probe: dict | None, seconds: float, *, startup: float, overhead: float,
+         max_rounds: int = 0, fallback_rounds: int = 2) -> dict:
+    cap = min(preset_rounds, max_rounds) if max_rounds > 0 else preset_rounds
+    if probe is None:
+        return {"rounds": min(cap, fallback_rounds), "reason": "no probe numbers: a short fallback run",
+                "seconds_available": seconds}
+    est = probe["round_estimate"]
+    per_round = overhead * est["seconds"] + 1.0
+    fixed = startup + probe.get("load_seconds", 0.0) + est.get("cache_seconds_all_silos", 0.0) + probe.get("eval_seconds", 0.0)
+    fit = max(0, math.floor((seconds - fixed) / per_round))
+    rounds = min(cap, fit)
+    return {"rounds": rounds, "rounds_that_fit": fit, "rounds_cap": cap, "seconds_available": seconds,
+            "seconds_fixed": fixed, "seconds_per_round": per_round, "epochs_per_round": est["epochs_per_round"],
+            "epochs": rounds * est["epochs_per_round"], "expected_seconds": fixed + rounds * per_round,
+            "reason": ("the preset's rounds fit" if rounds == preset_rounds else
+                       f"capped by --max-rounds {max_rounds}" if rounds == cap else "the rounds that fit the time left")}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--preset", required=True)
+    ap.add_argument("--probe", required=True, help="the probe's JSON (missing: a fallback of --fallback-rounds)")
+    ap.add_argument("--seconds", type=float, required=True, help="seconds left for the run")
+    ap.add_argument("--max-rounds", type=int, default=0, help="never more rounds than this (0: the preset's)")
+    ap.add_argument("--startup", type=float, default=30.0, help="the run's fixed start beyond the probe's load time")
+    ap.add_argument("--overhead", type=float, default=1.3, help="factor on the probe's round estimate")
+    ap.add_argument("--fallback-rounds", type=int, default=2)
+    ap.add_argument("--json", default="")
+    ap.add_argument("--set", action="append", default=[], help="ignored (accepted as run.sh passes the run's --set)")
+    a = ap.parse_args(argv)
+    with open(a.preset, "rb") as fh:
+        preset_rounds = int(tomllib.load(fh).get("num-server-rounds", 8))
+    probe = None
+    if Path(a.probe).is_file():
+        try:
+            probe = json.loads(Path(a.probe).read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            print(f"size_run: {a.probe} unreadable ({exc}): fallback", file=sys.stderr)
+    out = plan(preset_rounds, probe, a.seconds, startup=a.startup, overhead=a.overhead, max_rounds=a.max_rounds,
+               fallback_rounds=a.fallback_rounds)
+    out["preset_rounds"] = preset_rounds
+    if a.json:
+        Path(a.json).write_text(json.dumps(out))
+    print(out["rounds"])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
