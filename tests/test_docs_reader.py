@@ -13,7 +13,7 @@ from fedpower_app.config import PROJECT_ROOT
 
 SKIP_DIRS = {".git", ".venv", "venv", "__pycache__", ".pytest_cache", "outputs", "build", "dist",
              "bench-results", "flwr-home", ".ci-flwr-home", ".ci-venv", ".ci-cache", ".cache",
-             "node_modules", "docker"}
+             "node_modules", "docker", ".gpu-carry", "gpu-out"}  # the last two: what travels to a GPU machine (ignored)
 TEXT_SUFFIXES = {".py", ".md", ".toml", ".sh", ".txt", ".cfg", ".ini", ".yml", ".yaml"}
 TEXT_NAMES = {"Dockerfile", ".gitignore", ".dockerignore", "run"}
 
