@@ -46,6 +46,8 @@ NOT_RUN_CONFIG = {
     # Flower's simulation (--federation-config) keys, which fedpower-run sets from its own flags.
     "num-supernodes", "client-resources-num-cpus", "client-resources-num-gpus",
     "init-args-num-cpus", "init-args-num-gpus", "init-args-logging-level", "init-args-log-to-driver",
+    # grid-file keys of fedpower-experiment (a ClientApp's Ray resources), not run-config keys
+    "cpus-per-client", "gpus-per-client",
 }
 FILE_SUFFIX = re.compile(r"\.(tsv|csv|parquet|json|jsonl|toml|py|txt|md|pt|bin|safetensors|log|db|yaml)$")
 
