@@ -89,6 +89,10 @@ def fmt(n: float) -> str:
 def num_labels_of(cfg: RunConfig) -> int:
     if cfg["task.name"] == "synthetic":
         return 2
+    if cfg["task.name"] == "text":  # declared in the configuration
+        from .data.text_files import parse_labels
+
+        return len(parse_labels(cfg["task.labels"]))
     from .data.glue_tasks import get_task_spec
 
     return get_task_spec(cfg["task.name"]).num_labels
