@@ -114,6 +114,8 @@ SCHEMA: dict[str, tuple[type, Callable[[Any], str | None] | None]] = {
     "train.label-smoothing": (float, lambda v: None if 0 <= v < 1 else "must be in [0, 1)"),
     "train.cache-frozen": (bool, None),
     "train.precision": (str, _in(PRECISIONS)),
+    "train.auto": (bool, None),
+    "train.epochs": (float, _pos),
     "eval.batch-size": (int, _min1),
     "eval.every": (int, _min1),
     "eval.fraction-clients": (float, _unit),

@@ -72,10 +72,10 @@ class Recommendation:
     reasons: tuple[str, ...]
 
     def overrides(self, *, train_head: bool = False) -> dict:
-        """The run-config keys that carry the plan (σ is calibrated by the run itself from dp.epsilon)."""
+        """The run-config keys that carry the plan. σ is not among them: the run calibrates it from
+        dp.epsilon with the same accountant (and a non-private run at the same compute ignores it)."""
         out = {"train.batch-size": self.batch_size, "train.local-steps": self.local_steps,
-               "num-server-rounds": self.rounds, "train.lr": self.lr, "dp.clip": self.clip,
-               "dp.level": "sample", "dp.noise-at": "silo", "dp.epsilon": self.epsilon, "dp.delta": self.delta}
+               "num-server-rounds": self.rounds, "train.lr": self.lr, "dp.clip": self.clip}
         if train_head:
             out["dp.head-clip"] = self.clip
         return out
@@ -161,3 +161,22 @@ def render(rec: Recommendation) -> str:
                     for k, v in rec.overrides().items() if k.startswith(("train.", "num-", "dp.clip")))
     lines.append(f"run it: fedpower-run --set train.auto=true (or {sets})")
     return "\n".join(lines)
+
+
+def auto_settings(cfg, sizes: list[int], explicit=()) -> tuple[dict, list[str]]:
+    """``train.auto``: the plan's run-config keys for a run of ``cfg`` over silos of ``sizes`` (a key
+    in ``explicit``, set by hand, is kept), and the lines that say what was chosen and why. A
+    non-private run gets the same compute (b, L, T, lr) as the private one at dp.epsilon would."""
+    if cfg.dp_enabled and not (cfg["dp.level"] == "sample" and cfg["dp.noise-at"] == "silo"):
+        raise ValueError("train.auto plans DP-SGD on the silos: it needs dp.level = 'sample' and dp.noise-at = 'silo' "
+                         "(or dp.level = 'none' for the non-private run at the same compute)")
+    plan = recommend(sizes, cfg["dp.epsilon"], cfg["dp.delta"], epochs=cfg["train.epochs"],
+                     accountant=cfg["dp.accountant"])
+    chosen = plan.overrides(train_head=cfg["model.train-head"])
+    kept = {k: cfg[k] for k in chosen if k in explicit}
+    settings = {k: v for k, v in chosen.items() if k not in explicit}
+    lines = [f"train.auto: {', '.join(f'{k}={v}' for k, v in settings.items())}"
+             + (f" (kept as set: {', '.join(f'{k}={v}' for k, v in kept.items())})" if kept else "")
+             + ("" if cfg.dp_enabled else f" -- the compute of the private plan at epsilon {cfg['dp.epsilon']:g}")]
+    lines += [f"train.auto: {r}" for r in plan.reasons]
+    return settings, lines
