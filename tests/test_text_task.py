@@ -333,3 +333,58 @@ def test_metrics_match_scikit_learn_and_the_majority_baseline():
     # the always-majority model: accuracy flatters it, the other two do not
     s = scores(confusion(torch.zeros(105, dtype=torch.long), y, 3))
     assert s["accuracy"] > 0.85 and s["balanced-accuracy"] == pytest.approx(1 / 3) and s["macro-f1"] < 0.35
+
+
+def make_text_silos(root: Path) -> tuple[list[Path], Path, dict]:
+    """Three silos of the generic text task with files of their own shapes, of the sizes of
+    ``test_silo_data.SIZES`` (one label-skewed): a CSV, a JSON Lines file with extra fields, a
+    Parquet file with its columns in another order; and the server's own evaluation file. Returns
+    (silo directories, the server's directory, the run config's task keys)."""
+    from .test_silo_data import SIZES
+
+    def labelled(n, seed, positive_share=None):
+        pairs = rows(4 * n + 64, seed)
+        if positive_share is not None:
+            pos, neg = [p for p in pairs if p[1] == 1], [p for p in pairs if p[1] == 0]
+            k = round(n * positive_share)
+            pairs = pos[:k] + neg[:n - k]
+        return pairs[:n]
+
+    silos = [root / f"silo-{k}" for k in range(3)]
+    write(silos[0] / "train.csv", [{"review": t, "sentiment": NAMES[y]} for t, y in labelled(SIZES[0], 100)])
+    write(silos[1] / "train.jsonl", [{"id": i, "sentiment": NAMES[y], "review": t, "source": "web"}
+                                     for i, (t, y) in enumerate(labelled(SIZES[1], 101))])
+    write(silos[2] / "train.parquet", [{"sentiment": NAMES[y], "stars": 5 * y, "review": t}
+                                       for t, y in labelled(SIZES[2], 102, positive_share=0.9)])
+    server = root / "server-eval"
+    write(server / "validation.csv", [{"review": t, "sentiment": NAMES[y]} for t, y in labelled(64, 300)])
+    return silos, server, dict(TEXT_KEYS)
+
+
+def test_three_silos_with_differently_shaped_files_in_process(tmp_path, tiny_model_dir):
+    """The walkthrough's run through the in-process grid (the deployment itself is
+    test_deployment.py::test_silos_with_their_own_csv_jsonl_and_parquet_files, slow suite)."""
+    from client_app.app import app as client_app
+    from fedpower_app.runs.inprocess_grid import InProcessGrid
+    from fedpower_app.runs.results import ResultsWriter
+    from server_app import app as server
+
+    from .test_silo_data import SIZES, _context, check_server_view, check_silo_ledgers, silo_node_config
+
+    silos, server_dir, keys = make_text_silos(tmp_path / "sites")
+    cfg = parse_config({**keys, "task.data-dir": str(server_dir), "model.name": tiny_model_dir,
+                        "task.max-length": 16, "task.cache-dir": str(tmp_path / "server-cache"), "lora.rank": 4,
+                        "num-server-rounds": 2, "train.local-steps": 2, "train.batch-size": 16,
+                        "strategy.min-nodes": 3, "dp.noise-at": "silo", "task.metric": "macro-f1",
+                        "output-dir": str(tmp_path / "out"), "run-name": "own-files"})
+    grid = InProcessGrid(client_app, 3, cfg.to_dict())
+    for k, node in enumerate(grid.get_node_ids()):
+        grid._contexts[node] = _context(cfg.to_dict(), silo_node_config(silos[k], k), node)
+    run_dir = server.run_directory(cfg)
+    server._run(grid, cfg, run_dir, ResultsWriter(run_dir, cfg.to_dict()))
+    results = json.loads((run_dir / "results.json").read_text())
+    assert results["status"] == "completed" and results["clients"]["dataset_sizes"] == sorted(SIZES)
+    assert str(tmp_path / "sites" / "silo-") not in json.dumps(results)
+    rows_ = check_silo_ledgers(silos, rounds=2, local_steps=2, batch_size=16)
+    check_server_view(results, rows_)
+    assert results["totals"]["lead_metric"] == "macro-f1"
