@@ -16,10 +16,6 @@ from __future__ import annotations
 
 import torch
 
-#: The metrics ``task.metric`` may lead with (fedpower_app.choices.METRICS names them).
-LEAD_METRICS = ("accuracy", "macro-f1", "balanced-accuracy")
-
-
 def confusion(predictions: torch.Tensor, labels: torch.Tensor, num_classes: int) -> torch.Tensor:
     """(K, K) counts: row = true label, column = prediction."""
     idx = labels.long().cpu() * num_classes + predictions.long().cpu()
@@ -48,10 +44,3 @@ def scores(matrix: torch.Tensor) -> dict[str, float]:
         # a constant answer c: F1_c = 2p / (1 + p), every other present class 0
         "majority-macro-f1": (2 * majority / (1 + majority)) / classes,
     }
-
-
-def lead(metrics, name: str) -> tuple[str, float] | None:
-    """(the label, the value) a console line leads with, for ``task.metric`` = ``name``."""
-    if name not in LEAD_METRICS:
-        raise ValueError(f"task.metric must be one of {', '.join(LEAD_METRICS)}, got {name!r}")
-    return (name, float(metrics[name])) if name in metrics else None
