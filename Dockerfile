@@ -14,7 +14,7 @@
 # Two stages, so that it builds with the legacy builder as well as with BuildKit (Debian's docker.io
 # has no buildx, hence no `RUN --mount`): the builder installs everything into /opt/venv; the final
 # stage copies the venv and the app alone. The wheels, pip's caches and the build tree never reach a
-# layer of the final image (they did before, in a layer under an `rm`: issue #35).
+# layer of the final image (they did before, in a layer under an `rm`).
 # Few steps after the big ones on purpose: with the vfs storage driver every build step copies the
 # whole filesystem, and the legacy builder makes a step (a container) of every ENV, USER, WORKDIR.
 ARG BASE_IMAGE=python:3.11-slim
@@ -36,7 +36,7 @@ COPY . /app/
 # memory: slower, not broken). Checks: the environment is whole and CPU-only, and a non-root user
 # (uid 1000, as in the final stage, on the same base) can reach / and run the entry points: a base
 # rootfs at mode 0700 made every container fail with `exec: "flower-superlink": executable file not
-# found` (issue #35). Last, /opt/venv and /app (without the wheels) move under /stage, which the final
+# found`. Last, /opt/venv and /app (without the wheels) move under /stage, which the final
 # stage copies in one step.
 RUN export PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PATH=/opt/venv/bin:$PATH \
     && python3 -m venv /opt/venv \

@@ -1,14 +1,14 @@
 """Run a preset on the in-process grid: the real ServerApp and ClientApp, one process, no Ray.
 
 A command-line front end for ``fedpower_app.runs.inprocess`` (preset + ``--set`` overrides, as
-``fedpower-run``), for client-level DP with many virtual clients on a CPU (issue #14). For a grid
+``fedpower-run``), for client-level DP with many virtual clients on a CPU. For a grid
 of methods, budgets and seeds use ``fedpower-experiment --backend inprocess``.
 
     python -m benchmarks.inprocess_run --preset conf/cross-device-sst2.toml --clients 1000 \\
         --data-dir /path/to/glue/SST-2 --set strategy.name='"fedlora"' \\
         --out results/cross-device-sst2/inprocess --name fedlora-eps8 [--threads 2]
 
-The RESULTS.md section "Client-level DP across many clients (issue #14)" was measured with it.
+The RESULTS.md section "Client level across many clients" was measured with it.
 """
 
 from __future__ import annotations

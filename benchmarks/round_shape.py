@@ -1,7 +1,7 @@
 """One silo's DP-SGD round of the default run at two shapes with the same examples per round: the
 old default's b = 500, L = 2 against more, smaller steps (default here: b = 125, L = 8).
 
-Why: issue #32 item 5 keeps the default run under 5 minutes, and smaller Poisson batches pay a
+Why: the default run is kept under 5 minutes, and smaller Poisson batches pay a
 fixed cost per step (Opacus' clipping and noise over every trainable tensor, the optimizer step)
 and, in one chunk, are padded to their longest row. Every case calls
 ``fedpower_app.training.dp_sgd.dp_sgd_train_local`` on the same model, initial adapters and silo

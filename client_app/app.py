@@ -37,7 +37,7 @@ from fedpower_app.privacy.accounting.silo import SiloLedger, SiloRefusal, paid_p
 from fedpower_app.privacy.silo_policy import SiloPolicy
 from fedpower_app.training import evaluate as evaluate_model
 
-RUNTIME_RECORD = "runtime"  # reply record of where the ClientApp ran (issue #35); not data, not a metric of it
+RUNTIME_RECORD = "runtime"  # reply record of where the ClientApp ran; not data, not a metric of it
 
 
 def _ray_node_mod(msg: Message, context: Context, call_next) -> Message:

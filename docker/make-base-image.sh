@@ -8,7 +8,7 @@ MIRROR=${2:-http://deb.debian.org/debian}
 ROOTFS=$(mktemp -d /tmp/fedpower-rootfs.XXXXXX)
 trap 'rm -rf "$ROOTFS"' EXIT
 # mktemp -d makes the directory 0700, and `tar -C "$ROOTFS" -c .` records "." with that mode: the
-# image's / would be drwx------ and its non-root user could not reach /bin (issue #35). / is 0755.
+# image's / would be drwx------ and its non-root user could not reach /bin. / is 0755.
 chmod 0755 "$ROOTFS"
 echo "make-base-image: debootstrap bookworm -> $ROOTFS"
 debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates bookworm "$ROOTFS" "$MIRROR" >/dev/null

@@ -114,6 +114,7 @@ SCHEMA: dict[str, tuple[type, Callable[[Any], str | None] | None]] = {
     "train.label-smoothing": (float, lambda v: None if 0 <= v < 1 else "must be in [0, 1)"),
     "train.cache-frozen": (bool, None),
     "train.precision": (str, _in(PRECISIONS)),
+    "train.physical-batch-size": (int, _nonneg),
     "train.auto": (bool, None),
     "train.epochs": (float, _pos),
     "eval.batch-size": (int, _min1),
@@ -205,7 +206,7 @@ METHOD_PRESETS = PROJECT_ROOT / "conf" / "methods"
 
 
 def method_preset_path(method: str) -> Path:
-    """``conf/methods/<method>.toml``: the settings a method was tuned at (issue #32)."""
+    """``conf/methods/<method>.toml``: the settings a method was tuned at."""
     return METHOD_PRESETS / f"{method}.toml"
 
 

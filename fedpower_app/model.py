@@ -123,7 +123,7 @@ class MaskedMeanPooler(torch.nn.Module):
     Why: all-MiniLM-L6-v2 was trained as a sentence encoder with mean pooling; its [CLS] token and
     pretrained pooler are a weak sentence representation. A logistic regression on frozen features
     (6,000 SST-2 train rows, dev accuracy): pooler output 0.694, [CLS] 0.760, mean 0.791 (RESULTS.md,
-    issue #32). Under DP the starting representation matters: the head and the adapters have to move
+    "The non-private ceiling"). Under DP the starting representation matters: the head and the adapters have to move
     less. The mask comes from the encoder's own forward (a pre-hook), so the cached-prefix forward
     (``inputs_embeds``) pools the same rows the same way. No parameters."""
 

@@ -29,6 +29,11 @@ def main(argv=None) -> int:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (TOML value)")
     ap.add_argument("--silos", type=int, default=6, help="k: silos whose average the noise stands for")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--rows", choices=("public", "silo0"), default="public",
+                    help="public (default): train and select on a draw of the public task generator that no silo "
+                         "holds and that is not the reported evaluation split (the generated task only); silo0: "
+                         "silo 0's shard and the evaluation split, which tunes on private rows and reports on the "
+                         "selection split (NOT covered by the guarantee, docs/privacy.md)")
     a = ap.parse_args(argv)
     from benchmarks.common import silo_zero_setup
     from fedpower_app.privacy.accounting.silo import calibrate_noise_multiplier
@@ -37,6 +42,8 @@ def main(argv=None) -> int:
     from fedpower_app.training import evaluate, round_lr
 
     cfg, tok, model, shard = silo_zero_setup(a.set, silos=a.silos, threads=a.threads)
+    if a.rows == "public":
+        cfg, shard = public_tuning_rows(cfg, tok, a.silos)
     evaluation = next(iter(eval_splits(cfg, tok).values()))
     b, L, T = cfg["train.batch-size"], cfg["train.local-steps"], cfg["num-server-rounds"]
     q = min(1.0, b / len(shard))
@@ -58,6 +65,25 @@ def main(argv=None) -> int:
               f"({time.perf_counter() - start:.0f} s)", flush=True)
     print("accuracy per round:", accuracies)
     return 0
+
+
+#: Offset of the seed of the public draw the proxy tunes on (any draw of the public generator is
+#: public; this one is not the run's, so no silo holds its rows and it is not the reported split).
+PUBLIC_DRAW_OFFSET = 7919
+
+
+def public_tuning_rows(cfg, tok, silos: int):
+    """(config of a public draw, a silo-sized shard of it): the generated task's generator is
+    public, so a draw with another seed holds no silo's row, and its evaluation split is not the
+    one the run reports. A GLUE task has no such rows here: refused, with why."""
+    from fedpower_app.config import parse_config
+    from fedpower_app.data import client_shard
+
+    if cfg["task.name"] != "synthetic":
+        raise SystemExit(f"dp_sgd_proxy: task {cfg['task.name']!r} has no public rows that no silo holds; "
+                         "--rows silo0 tunes on silo 0's shard (not covered by the guarantee)")
+    public = parse_config({**cfg.to_dict(), "seed": cfg["seed"] + PUBLIC_DRAW_OFFSET})
+    return public, client_shard(public, tok, 0, silos)
 
 
 if __name__ == "__main__":

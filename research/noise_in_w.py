@@ -1,6 +1,6 @@
 """Where client-level noise goes: the noise each method's release puts into the merged weights W = B·A.
 
-A diagnostic for issue #14 (not a speed target). It calibrates a run config with the product's
+A client-level DP diagnostic (not a speed target). It calibrates a run config with the product's
 accountant (``build_privacy``: z, and each round type's per-block stds), then calls each method's
 own client-level release (``strategies.mechanisms``) on an empty round, so that the release is the
 public global plus noise only, and measures per LoRA module ||B'A' - B_g A_g||_F, the noise norm

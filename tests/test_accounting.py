@@ -539,7 +539,7 @@ def test_pld_epsilon_overflow_fallback():
 
 
 def test_the_accounting_package_imports_no_torch():
-    """Its docstring says so (issue #33): the planner and the accountants load without torch."""
+    """Its docstring says so: the planner and the accountants load without torch."""
     import subprocess
     import sys
 
@@ -549,7 +549,7 @@ def test_the_accounting_package_imports_no_torch():
 
 
 def test_a_dp_sgd_step_is_one_more_event_of_the_accountant_interface():
-    """Issue #33: the silo's ledger is priced through the same Accountant interface as the
+    """The silo's ledger is priced through the same Accountant interface as the
     server's; a DP-SGD step is the event SGM(q = b/n, sigma), composed L times per round."""
     from opacus.accountants import RDPAccountant as OpacusRDP
 

@@ -1,4 +1,4 @@
-"""Bad input never crashes or corrupts a run (issue #13, item 5). Each case is tried the way a user
+"""Bad input never crashes or corrupts a run. Each case is tried the way a user
 meets it, and the outcome is recorded here: a clear error naming the cause, before anything
 starts, and no run directory left half written."""
 

@@ -1,4 +1,4 @@
-"""Issue #34: canary clients audit client-level DP through the product's round engine and privacy
+"""Canary clients audit client-level DP through the product's round engine and privacy
 layer; the correct release passes with eps_hat above 0, every positive control is refuted."""
 
 import pytest

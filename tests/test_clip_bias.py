@@ -1,9 +1,9 @@
-"""research/issue32_clip_bias.py: the closed-form bias gradient of a linear head under per-example
+"""research/dp_sgd_clip_bias.py: the closed-form bias gradient of a linear head under per-example
 clipping (RESULTS.md, "Where the 6 points to the ceiling go")."""
 
 import torch
 
-from research.issue32_clip_bias import bias_gradients
+from research.dp_sgd_clip_bias import bias_gradients
 
 
 def _toy(n1=57, n0=43):

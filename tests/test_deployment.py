@@ -323,7 +323,7 @@ if _ROOTS and _LOG:
 
 
 def test_silos_with_their_own_data(tmp_path):
-    """Issue #35 item 3, the docs/deployment.md recipe on localhost: a SuperLink with TLS and SuperNode
+    """The docs/deployment.md recipe on localhost: a SuperLink with TLS and SuperNode
     authentication, three registered SuperNodes, each with its own data directory (its own SST-2
     train.tsv of its own size, one label-skewed; node config data-dir, silo-id, ledger-file,
     dp-max-epsilon), DP-SGD on the silos. The run completes; every silo's ledger is on its own disk

@@ -1,4 +1,4 @@
-"""Comments and docs cite sections that exist (issue #33): every "spec §x" in the product points at
+"""Comments and docs cite sections that exist: every "spec §x" in the product points at
 a section of the privacy spec (../shared/docs/privacy-accounting.md), every "docs/privacy.md §x"
 at a section of docs/privacy.md."""
 

@@ -1,4 +1,4 @@
-"""The Docker image runs for its own non-root user (issue #35, item 4).
+"""The Docker image runs for its own non-root user.
 
 A base image whose / was mode 0700 (the `mktemp -d` directory it was debootstrapped into) gave an
 image whose user could reach neither /bin nor /opt/venv/bin: every container failed with
@@ -18,7 +18,7 @@ import pytest
 
 pytestmark = pytest.mark.slow
 IMAGE = os.environ.get("FEDPOWER_IMAGE", "fedpower:local")
-MAX_SIZE = 2 * 1024**3  # issue #35: under 2 GB (the image was 6 GB with the wheels in a layer)
+MAX_SIZE = 2 * 1024**3  # under 2 GB (the image was 6 GB with the wheels in a layer)
 
 # One container for all the checks: with the vfs storage driver each container start copies the image.
 PROBE = r"""
@@ -62,7 +62,7 @@ def image() -> dict:
 @pytest.fixture(scope="module")
 def probe(image) -> dict:
     run = _docker("run", "--rm", "--network=none", IMAGE, "sh", "-c", PROBE, timeout=900)
-    hint = ("\nthe image's user cannot reach / or /bin: a base rootfs at mode 0700? (issue #35)"
+    hint = ("\nthe image's user cannot reach / or /bin: a base rootfs at mode 0700?"
             if "executable file not found" in run.stderr else "")
     assert run.returncode == 0, f"the probe container failed ({run.returncode}): {run.stdout}\n{run.stderr}{hint}"
     found = dict(line.split("=", 1) for line in run.stdout.splitlines() if "=" in line and not line.startswith("  |"))

@@ -715,7 +715,7 @@ def test_tiny_grid_end_to_end(tmp_path, capsys):
         assert results["status"] == "completed" and len(results["rounds"]) == 2
         assert results["config"]["strategy.name"] == method and results["config"]["dp.epsilon"] == 8.0
         # a private cell shows what its guarantee covers: bytes sent (client-sampling coins), not
-        # the bytes of the replies that arrived (dp.diagnostics = off, issue #31)
+        # the bytes of the replies that arrived (dp.diagnostics = off)
         assert all(r["bytes_down"] > 0 and "bytes_up" not in r for r in results["rounds"])
         assert json.loads((cell_dir / "cell.json").read_text())["status"] == "completed"
         assert not (cell_dir / "adapter").exists()
@@ -1004,7 +1004,7 @@ def test_compact_cells_keep_the_tables_and_drop_the_bulk(tmp_path, capsys):
 
 
 def test_compact_cells_fold_the_cell_record_into_one_minified_file(tmp_path, capsys):
-    """Issue #33: a committed cell is one file. --compact folds cell.json into results.json
+    """A committed cell is one file. --compact folds cell.json into results.json
     (minified); the cell's record still answers "were these results made with other settings?"."""
     import shutil
 
@@ -1053,7 +1053,7 @@ def test_figures_are_saved_with_a_palette(tmp_path):
 
 
 def test_a_packed_grid_reports_the_same_and_a_cells_own_file_wins(tmp_path, capsys):
-    """Issue #33: the committed form packs a grid's finished cells into one cells.json; status,
+    """The committed form packs a grid's finished cells into one cells.json; status,
     tables and --report-only read it as they read the cells' own files."""
     import shutil
 

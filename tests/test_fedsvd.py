@@ -1,4 +1,4 @@
-"""FedSVD (issue #32): silos train B with the global A frozen; the server averages B and
+"""FedSVD: silos train B with the global A frozen; the server averages B and
 refactorizes B_avg A_g by SVD into a new orthonormal A, exactly and without forming B A."""
 
 import pytest

@@ -1,4 +1,4 @@
-"""Issue #31: the printed guarantee holds for everything a run releases.
+"""The printed guarantee holds for everything a run releases.
 
 Each test failed on the code before the fix: a private run's results.json carried unnoised
 statistics, a seeded run printed a valid guarantee, a silo took its δ from the server and paid a

@@ -1,4 +1,4 @@
-"""``fedpower-memory`` (issue #35 item 5): the memory plan of one ClientApp, checked against the
+"""``fedpower-memory``: the memory plan of one ClientApp, checked against the
 measured peak of a real CPU step of the same configuration.
 
 The measurement: a subprocess builds the model with the product's factory (``model.build_model``),

@@ -1,4 +1,4 @@
-"""Method presets (issue #32): `--set strategy.name=X` runs X at its tuned settings
+"""Method presets: `--set strategy.name=X` runs X at its tuned settings
 (conf/methods/X.toml), says so at start, and an explicit choice still wins."""
 
 import pytest

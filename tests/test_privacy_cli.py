@@ -168,7 +168,7 @@ def test_printed_std_is_z_times_printed_delta(method, level, calibration, capsys
     rt = (CLIENT_ROUND_TYPE if level == "client" else METHOD_ROUND_TYPE)[method]
     hook = build_privacy(parse_config(over), client_sizes=DEFAULT_SIZES, num_modules=M)
     server_stds = hook.noise_stds(rt, 1)  # what the strategy adds (whatever the number of replies)
-    # sample level: the k-dependent averages are over the fixed m = q_c N, Delta = 2C/m (issue #31)
+    # sample level: the k-dependent averages are over the fixed m = q_c N, Delta = 2C/m
     m = (hook.fixed_denominator or 1.0) if MECH.get(rt).k_dependent else 1.0
 
     # JSON: full precision.

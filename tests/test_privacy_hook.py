@@ -29,7 +29,7 @@ def test_noise_per_block_gives_calibrated_z(method, level):
     z = p.calibration.z
     rt = A.round_schedule(method, 20)[0]
     for k in (0, 1, 3, 6):
-        stds = p.noise_stds(rt, k)  # the same for any number of replies (issue #31)
+        stds = p.noise_stds(rt, k)  # the same for any number of replies
         # sample level: the average (and its sensitivity) is over the fixed m = q_c N, not over k
         sens = A.block_sensitivities(rt, level, 2.0, k=p.fixed_denominator if level == "sample" else k,
                                      rank=8, num_modules=24)

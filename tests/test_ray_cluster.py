@@ -1,4 +1,4 @@
-"""Issue #35, item 1: a multi-node Ray simulation, tested.
+"""A multi-node Ray simulation, tested.
 
 A real Ray cluster of several nodes on this host (``ray.cluster_utils.Cluster`` through
 ``fedpower_app.launcher.ray_cluster``: the head and worker raylets as separate processes, each with

@@ -1,4 +1,4 @@
-"""One round engine (issue #33): the Flower strategies and the benchmarks' bare loop run the same
+"""One round engine: the Flower strategies and the benchmarks' bare loop run the same
 Flower-free round (strategies.engine) and the same silo training (training.silo_round), so the
 bare loop of benchmarks/e2e.py reproduces a Flower run bit for bit."""
 
@@ -52,7 +52,7 @@ def test_the_bare_loop_reproduces_a_flower_run(tmp_path, overrides):
 
 
 def test_a_new_method_is_one_entry_in_the_method_table(monkeypatch):
-    """Issue #33: a method whose release exists needs no engine, strategy or config edit."""
+    """A method whose release exists needs no engine, strategy or config edit."""
     from fedpower_app import choices
     from strategies import mechanisms as MECH
 

@@ -1,4 +1,4 @@
-"""The runs layer (issue #33): a run's spec (config, backend, federation) is written to its
+"""The runs layer: a run's spec (config, backend, federation) is written to its
 directory before it starts, and ``fedpower-run --resume`` restores the federation from it."""
 
 import json

@@ -1,4 +1,4 @@
-"""Silos with their own data (issue #35, item 3): a SuperNode reads its own directory (node config
+"""Silos with their own data: a SuperNode reads its own directory (node config
 ``data-dir``), trains on all of it, and a bad directory or file fails on the silo with one clear
 line, not a traceback from deep in the loader.
 

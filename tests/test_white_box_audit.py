@@ -1,4 +1,4 @@
-"""Issue #34: a white-box audit of the product's DP-SGD step that can fail. Dirac gradient canaries
+"""A white-box audit of the product's DP-SGD step that can fail. Dirac gradient canaries
 go through the product's clipping and noise; the correct step passes with eps_hat well above 0, and
 each positive control (no noise, a tenth of the noise, no clipping) is refuted."""
 

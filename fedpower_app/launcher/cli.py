@@ -338,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
                                       f"{getattr(spec, key)}; {value} would be another federation (leave it out "
                                       "to resume with the run's own)")
             spec.overrides = overrides
-        else:  # the method's tuned settings, where neither the preset nor --set chose (issue #32)
+        else:  # the method's tuned settings, where neither the preset nor --set chose
             overrides, from_method, method_source = with_method_preset(overrides, explicit=sets)
             if from_method:
                 print(f"fedpower-run: {overrides.get('strategy.name')} runs at its method preset "
@@ -374,6 +374,12 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as exc:  # unreadable or malformed preset
         print(f"fedpower-run: error: preset {args.preset}: {exc}", file=sys.stderr)
         return 2
+
+    if cfg.dp_enabled:  # who decides each silo's privacy (fedpower_app.privacy.silo_policy)
+        print(f"fedpower-run: silos: {args.supernodes} simulated partitions of one dataset, one owner: the run "
+              "config speaks for them (noise source, metrics, evaluation). A SuperNode of its own sets its policy "
+              "in its node config: dp-max-epsilon, dp-delta, dp-noise, send-metrics, evaluate, evaluate-max, "
+              "ledger-file, device (docs/deployment.md)", flush=True)
 
     # 2. The run, on a SuperLink stopped (by PID) whatever happens.
     subreaper = _become_subreaper()

@@ -1,4 +1,4 @@
-"""Ray clusters under the simulation engine (issue #35).
+"""Ray clusters under the simulation engine.
 
 **Joining an existing cluster.** ``fedpower-run --ray-address HOST:PORT`` (or ``RAY_ADDRESS`` in the
 environment) runs the simulation's ClientApps on an existing Ray cluster: the address goes to the

@@ -1,10 +1,10 @@
 """Run one run config on the in-process grid: the real ServerApp and ClientApp, one process, no Ray.
 
-Why it exists: client-level DP needs many clients (issue #14; RESULTS.md, "Client-level DP across
+Why it exists: client-level DP needs many clients (RESULTS.md, "Client level across
 many clients"). The Ray engine runs 1,000 SuperNodes here too (one ClientApp actor per CPU, not
 per SuperNode), but Flower's message routing scans every pending message once per node every
 0.1 s, so at 1,000 SuperNodes it costs about 2.8x the CPU of this grid (BENCHMARKS.md, "1,000
-SuperNodes on the Ray engine (issue #35)"). Here one model serves every virtual client, and a round
+SuperNodes on the Ray engine"). Here one model serves every virtual client, and a round
 costs its cohort's training plus O(N) bookkeeping (BENCHMARKS.md, "Cross-device"). The run directory
 holds the same results.json, checkpoint and released model as a ``flwr run`` of the same config,
 and ``resume = true`` continues an interrupted run from its checkpoint, as there.

@@ -1,4 +1,4 @@
-"""What every command that runs configurations shares (the seed of one runs layer, issue #33):
+"""What every command that runs configurations shares (the seed of one runs layer):
 where a grid's or an audit's Flower home lives and which SuperLink port it uses."""
 
 from __future__ import annotations

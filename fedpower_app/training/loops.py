@@ -198,7 +198,7 @@ def round_lr(lr: float, schedule: str, server_round: int, num_rounds: int) -> fl
 
     ``cosine`` decays from ``lr`` in round 1 towards 0 (half a cosine over the planned rounds). Why:
     under DP-SGD the rate that escapes the flat start quickly makes the later rounds oscillate
-    (RESULTS.md, "DP-SGD on the silos"); the decay keeps the fast start and a stable end."""
+    (docs/changelog.md, the first DP-SGD grid); the decay keeps the fast start and a stable end."""
     if schedule == "constant":
         return lr
     if schedule == "cosine":

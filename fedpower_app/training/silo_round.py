@@ -36,10 +36,11 @@ def train_round(cfg, model, data, *, partition_id: int, server_round: int, train
                                   optimizer=cfg["train.optimizer"], optimizer_carry=optimizer_carry,
                                   adam_eps=cfg["train.adam-eps"], head_lr_scale=cfg["train.head-lr-scale"],
                                   label_smoothing=cfg["train.label-smoothing"], canaries=canaries,
-                                  precision=cfg["train.precision"])
+                                  precision=cfg["train.precision"],
+                                  physical_batch_size=cfg["train.physical-batch-size"] or None)
     return train_local(model, data, steps=cfg["train.local-steps"], batch_size=cfg["train.batch-size"], lr=lr,
                        generator=streams.sampling, poisson=(cfg["dp.level"] == "sample"), device=device,
                        dropout_seed=streams.dropout_seed, optimizer=cfg["train.optimizer"],
                        optimizer_carry=optimizer_carry, adam_eps=cfg["train.adam-eps"],
                        head_lr_scale=cfg["train.head-lr-scale"], label_smoothing=cfg["train.label-smoothing"],
-                       precision=cfg["train.precision"])
+                       precision=cfg["train.precision"], physical_batch_size=cfg["train.physical-batch-size"] or None)

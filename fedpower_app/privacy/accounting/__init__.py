@@ -22,7 +22,7 @@ closed form). Summary of the model:
   combining library outputs (mixtures, sums, effective multipliers).
 
 Rigorous mode ("rigorous"): at sample level the linear releases average over the fixed expected
-cohort ``m = q_c N`` and their noise is scaled to it (never to the replies that arrived: issue #31),
+cohort ``m = q_c N`` and their noise is scaled to it (never to the replies that arrived),
 so every round has the SAME effective ``z`` and the calibration is one scalar. Paper mode ("paper"): ``sigma_alg = q*sqrt(2T ln(1.25/delta))/eps`` with
 per-entry noise ``sigma_alg*C`` on every block; we then report the TRUE epsilon of that noise. It
 is NOT a valid DP guarantee for the target epsilon.

@@ -1,0 +1,347 @@
+"""SecAgg+ (Bell et al. 2020; SecAgg, Bonawitz et al. 2017) as plain objects: a client and a server
+that exchange plain dicts in four stages, with no transport. A Flower adapter only has to carry
+these dicts in messages; ``simulate`` carries them in-process (tests, benchmarks).
+
+Stages (U1 ⊇ U2 ⊇ U3 ⊇ U4 are the clients still answering at each stage):
+
+1. **advertise keys**: each client makes two ECDH key pairs (one to encrypt shares, one for masks)
+   and sends both public keys. The server lays the public neighbour graph over the round's nodes.
+2. **share keys**: a client u that got its neighbours' keys draws a 32-byte self-mask seed b_u and
+   Shamir-shares b_u and its mask secret key among its holders (its neighbours in U1 and itself),
+   threshold t, each pair of shares encrypted for its holder. The server forwards the ciphertexts.
+3. **masked input**: u sends y_u = x_u + PRG(b_u) + sum_{v in N(u) ∩ U2} ±PRG(s_uv) mod M, where
+   s_uv is the ECDH seed of u and v (+ if u > v, − if u < v), so pairwise masks cancel in a sum.
+4. **unmask**: the server names the survivors U3 and the dropped U2 \\ U3. A holder sends its share
+   of b_u for each survivor u and its share of the mask secret key for each dropped neighbour,
+   never both for the same client, and answers one unmask request only. The server rebuilds each b_u
+   (removes the self-masks) and each dropped client's key (recomputes the pairwise masks the
+   survivors still carry), and outputs sum_{u in U3} x_u mod M.
+
+**Dropouts and the threshold.** The sum is recovered when every secret the server needs has at least
+t shares among the holders that answer stage 4; with the complete graph that is "at least t clients
+answer the unmask stage", i.e. up to n − t dropouts. Otherwise the server refuses (``SecureSumRefused``)
+and says which secret lacks how many shares. t must be a strict majority of a client's holders, so
+that a server which named two different dropped sets could not gather t shares of both secrets.
+
+**Trust.** A semi-honest server colluding with fewer than t clients learns nothing about a client's
+x_u beyond the sum of the survivors' inputs: without b_u a masked y_u is uniform, and a client's
+holders reveal either b_u or its key, never both. Integrity against a malicious server that lies
+about who dropped needs SecAgg's consistency round (signatures); it is not implemented.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import masking as MK
+from .field import add_mod, check_bits, sub_mod
+
+
+class SecureSumRefused(RuntimeError):
+    """The round cannot be unmasked (too many dropouts, or a check failed); nothing was released."""
+
+
+@dataclass(frozen=True)
+class SecureSumConfig:
+    """One round's public parameters (the server chooses them and sends them in stage 1)."""
+
+    nodes: tuple               # node ids of the round's cohort
+    size: int                  # length of each client's vector of residues
+    bits: int                  # the ring Z_{2^bits}
+    threshold: int             # t: shares needed to rebuild a client's secret
+    degree: int = 0            # neighbours per client; 0: the complete graph (SecAgg)
+    graph_seed: bytes = b""    # public randomness for the graph (SecAgg+)
+
+    def __post_init__(self):
+        nodes = tuple(int(x) for x in self.nodes)
+        object.__setattr__(self, "nodes", nodes)
+        check_bits(self.bits)
+        if len(set(nodes)) != len(nodes) or len(nodes) < 2:
+            raise ValueError(f"a secure sum needs at least 2 distinct nodes, got {list(nodes)}")
+        if isinstance(self.size, bool) or not isinstance(self.size, int) or self.size < 1:
+            raise ValueError(f"vector size must be a positive integer, got {self.size!r}")
+        degree = self.effective_degree
+        holders = degree + 1
+        t = self.threshold
+        if isinstance(t, bool) or not isinstance(t, int) or not holders // 2 < t <= holders:
+            raise ValueError(f"threshold must be an integer with {holders} // 2 < t <= {holders} (a strict majority "
+                             f"of a client's {holders} share holders: its {degree} neighbours and itself), got {t!r}")
+
+    @property
+    def effective_degree(self) -> int:
+        n = len(self.nodes)
+        if self.degree in (0, None) or self.degree >= n - 1:
+            return n - 1
+        if isinstance(self.degree, bool) or not isinstance(self.degree, int) or self.degree < 2 or self.degree % 2:
+            raise ValueError(f"graph degree must be 0 (complete) or an even integer >= 2, got {self.degree!r}")
+        return self.degree
+
+    @property
+    def max_dropouts(self) -> int:
+        """With the complete graph, the most clients that may drop after sharing keys: n − t."""
+        return len(self.nodes) - self.threshold
+
+    def graph(self) -> dict[int, tuple[int, ...]]:
+        return MK.neighbour_graph(list(self.nodes), self.effective_degree, self.graph_seed)
+
+
+# -- the client -----------------------------------------------------------------------------------
+class SecureSumClient:
+    """One client's side of one round. Each method is one stage; call them in order."""
+
+    def __init__(self, node: int, config: SecureSumConfig) -> None:
+        if int(node) not in config.nodes:
+            raise ValueError(f"node {node} is not in the round's cohort")
+        self.node, self.config = int(node), config
+        self.neighbours = config.graph()[self.node]
+        self._stage = 0
+        self._channel = self._mask_keys = None
+        self._peer_keys: dict[int, tuple[bytes, bytes]] = {}
+        self._self_seed = b""
+        self._seed_shares: dict[int, bytes] = {}  # shares I hold, of b_u per client u
+        self._key_shares: dict[int, bytes] = {}   # shares I hold, of u's mask secret key
+        self._masked_with: tuple[int, ...] = ()
+
+    def _advance(self, stage: int) -> None:
+        if self._stage != stage - 1:
+            raise SecureSumRefused(f"client {self.node}: stage {stage} requested after stage {self._stage}")
+        self._stage = stage
+
+    def advertise_keys(self) -> dict:
+        self._advance(1)
+        self._channel, self._mask_keys = MK.new_key_pair(), MK.new_key_pair()
+        return {"channel_key": self._channel.public, "mask_key": self._mask_keys.public}
+
+    def share_keys(self, peer_keys: dict[int, tuple[bytes, bytes]]) -> dict:
+        """``peer_keys``: (channel key, mask key) of this client's neighbours that advertised keys."""
+        self._advance(2)
+        t = self.config.threshold
+        peers = {int(v): (bytes(c), bytes(m)) for v, (c, m) in peer_keys.items()}
+        if not set(peers) <= set(self.neighbours):
+            raise SecureSumRefused(f"client {self.node}: keys of non-neighbours {sorted(set(peers) - set(self.neighbours))}")
+        if len(peers) + 1 < t:
+            raise SecureSumRefused(f"client {self.node}: {len(peers)} neighbours + itself hold its shares, fewer than "
+                                   f"the threshold {t}")
+        everyone = [k for pair in peers.values() for k in pair] + [self._channel.public, self._mask_keys.public]
+        if len(set(everyone)) != len(everyone):
+            raise SecureSumRefused(f"client {self.node}: two advertised public keys are identical")
+        self._peer_keys = peers
+        self._self_seed = os.urandom(MK.SEED_BYTES)
+        holders = sorted(peers) + [self.node]
+        seed_shares = MK.share_secret(self._self_seed, t, len(holders))
+        key_shares = MK.share_secret(self._mask_keys.secret, t, len(holders))
+        sealed = {}
+        for holder, s_share, k_share in zip(holders, seed_shares, key_shares):
+            if holder == self.node:
+                self._seed_shares[self.node], self._key_shares[self.node] = s_share, k_share
+            else:
+                key = MK.agreed_channel_key(self._channel.secret, peers[holder][0])
+                sealed[holder] = MK.seal_shares(key, self.node, holder, s_share, k_share)
+        return {"sealed_shares": sealed}
+
+    def masked_input(self, sealed_for_me: dict[int, bytes], vector: np.ndarray) -> dict:
+        """``sealed_for_me``: the shares each neighbour that finished stage 2 sealed for this client;
+        ``vector``: this client's input, residues mod 2^bits of length ``size``."""
+        self._advance(3)
+        cfg = self.config
+        x = np.asarray(vector)
+        if x.shape != (cfg.size,) or x.dtype.kind not in "iu":
+            raise ValueError(f"client {self.node}: input must be {cfg.size} integers, got {x.dtype} {x.shape}")
+        x = x.astype(np.int64)
+        if x.min(initial=0) < 0 or x.max(initial=0) >= (1 << cfg.bits):
+            raise ValueError(f"client {self.node}: input residues must lie in [0, 2^{cfg.bits})")
+        sources = {int(v) for v in sealed_for_me}
+        if not sources <= set(self._peer_keys):
+            raise SecureSumRefused(f"client {self.node}: shares from clients it has no keys of")
+        if len(sources) + 1 < cfg.threshold:
+            raise SecureSumRefused(f"client {self.node}: only {len(sources)} neighbours shared keys, fewer than "
+                                   f"the threshold {cfg.threshold} less itself")
+        for src, ct in sealed_for_me.items():
+            key = MK.agreed_channel_key(self._channel.secret, self._peer_keys[int(src)][0])
+            self._seed_shares[int(src)], self._key_shares[int(src)] = MK.open_shares(key, ct, int(src), self.node)
+        y = add_mod(x, MK.mask(self._self_seed, cfg.size, cfg.bits, b"self"), cfg.bits)
+        for v in sorted(sources):
+            pairwise = MK.mask(MK.agreed_seed(self._mask_keys.secret, self._peer_keys[v][1]), cfg.size, cfg.bits, b"pair")
+            y = add_mod(y, pairwise, cfg.bits) if self.node > v else sub_mod(y, pairwise, cfg.bits)
+        self._masked_with = tuple(sorted(sources))
+        self._self_seed = b""  # only its shares remain
+        return {"masked": y}
+
+    def unmask(self, survivors: list[int], dropped: list[int]) -> dict:
+        """Shares of b_u for the survivors and of the mask key for the dropped, of the clients whose
+        shares this client holds; refuses an inconsistent request or a second one."""
+        self._advance(4)
+        alive, gone = {int(v) for v in survivors}, {int(v) for v in dropped}
+        t = self.config.threshold
+        if alive & gone:
+            raise SecureSumRefused(f"client {self.node}: clients {sorted(alive & gone)} named both survivor and dropped")
+        if self.node not in alive:
+            raise SecureSumRefused(f"client {self.node}: asked to unmask but not named a survivor")
+        if len(alive) < t:
+            raise SecureSumRefused(f"client {self.node}: {len(alive)} survivors, fewer than the threshold {t}")
+        held = set(self._seed_shares)
+        mine = set(self._masked_with) | {self.node}
+        if (alive | gone) & mine != mine:
+            raise SecureSumRefused(f"client {self.node}: neighbours {sorted(mine - alive - gone)} are neither "
+                                   "survivors nor dropped")
+        return {"seed_shares": {u: self._seed_shares[u] for u in sorted(alive & held)},
+                "key_shares": {u: self._key_shares[u] for u in sorted(gone & held)}}
+
+
+# -- the server ------------------------------------------------------------------------------------
+@dataclass
+class Recorder:
+    """Every message the server receives, as (stage, sender, payload), and its size in bytes."""
+
+    received: list = field(default_factory=list)
+
+    def record(self, stage: str, sender: int, payload: dict) -> None:
+        self.received.append((stage, int(sender), payload))
+
+    def bytes_from(self, sender: int) -> int:
+        return sum(_nbytes(p) for _, s, p in self.received if s == sender)
+
+
+def _nbytes(obj) -> int:
+    if isinstance(obj, (bytes, bytearray)):
+        return len(obj)
+    if isinstance(obj, np.ndarray):
+        return obj.nbytes
+    if isinstance(obj, dict):
+        return sum(_nbytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_nbytes(v) for v in obj)
+    return 8
+
+
+class SecureSumServer:
+    """The server's side of one round: routes keys and shares, sums masked inputs, unmasks."""
+
+    def __init__(self, config: SecureSumConfig, recorder: Recorder | None = None) -> None:
+        self.config = config
+        self.graph = config.graph()
+        self.recorder = recorder
+        self.keys: dict[int, tuple[bytes, bytes]] = {}
+        self.sealed: dict[int, dict[int, bytes]] = {}
+        self.masked: dict[int, np.ndarray] = {}
+
+    def _record(self, stage, node, payload):
+        if self.recorder is not None:
+            self.recorder.record(stage, node, payload)
+
+    def _need(self, count: int, what: str) -> None:
+        if count < self.config.threshold:
+            raise SecureSumRefused(f"{count} clients {what}, fewer than the threshold t = {self.config.threshold} "
+                                   f"(at most n - t = {self.config.max_dropouts} of {len(self.config.nodes)} may drop)")
+
+    def receive_keys(self, replies: dict[int, dict]) -> dict[int, dict[int, tuple[bytes, bytes]]]:
+        """Stage 1 replies -> each answering client's neighbours' keys (stage 2 requests)."""
+        for u, r in replies.items():
+            self._record("advertise_keys", u, r)
+            if int(u) not in self.graph:
+                raise SecureSumRefused(f"keys from node {u}, not in the cohort")
+            self.keys[int(u)] = (bytes(r["channel_key"]), bytes(r["mask_key"]))
+        self._need(len(self.keys), "advertised keys")
+        return {u: {v: self.keys[v] for v in self.graph[u] if v in self.keys} for u in self.keys}
+
+    def receive_shares(self, replies: dict[int, dict]) -> dict[int, dict[int, bytes]]:
+        """Stage 2 replies -> the sealed shares addressed to each client (stage 3 requests)."""
+        for u, r in replies.items():
+            self._record("share_keys", u, r)
+            u = int(u)
+            if u not in self.keys:
+                raise SecureSumRefused(f"shares from node {u}, which advertised no keys")
+            dsts = {int(v) for v in r["sealed_shares"]}
+            expected = {v for v in self.graph[u] if v in self.keys}
+            if dsts != expected:
+                raise SecureSumRefused(f"node {u} sealed shares for {sorted(dsts)}, expected its neighbours {sorted(expected)}")
+            self.sealed[u] = {int(v): bytes(c) for v, c in r["sealed_shares"].items()}
+        self._need(len(self.sealed), "shared keys")
+        return {v: {u: self.sealed[u][v] for u in self.sealed if v in self.sealed[u]} for v in self.sealed}
+
+    def receive_masked(self, replies: dict[int, dict]) -> dict[int, dict]:
+        """Stage 3 replies -> the unmask request to every survivor (stage 4 requests)."""
+        cfg = self.config
+        for u, r in replies.items():
+            self._record("masked_input", u, r)
+            u = int(u)
+            if u not in self.sealed:
+                raise SecureSumRefused(f"a masked input from node {u}, which shared no keys")
+            y = np.asarray(r["masked"])
+            if y.shape != (cfg.size,) or y.dtype != np.int64 or y.min() < 0 or y.max() >= (1 << cfg.bits):
+                raise SecureSumRefused(f"node {u}'s masked input is not {cfg.size} residues mod 2^{cfg.bits}")
+            self.masked[u] = y
+        self._need(len(self.masked), "sent masked inputs")
+        survivors = sorted(self.masked)
+        dropped = sorted(set(self.sealed) - set(self.masked))
+        return {u: {"survivors": survivors, "dropped": dropped} for u in survivors}
+
+    def unmask(self, replies: dict[int, dict]) -> tuple[np.ndarray, list[int]]:
+        """Stage 4 replies -> (the sum of the survivors' inputs mod 2^bits, the survivors)."""
+        cfg = self.config
+        survivors, dropped = sorted(self.masked), sorted(set(self.sealed) - set(self.masked))
+        seed_shares = {u: [] for u in survivors}
+        key_shares = {v: [] for v in dropped}
+        for h, r in replies.items():
+            self._record("unmask", h, r)
+            h = int(h)
+            if h not in self.masked:
+                raise SecureSumRefused(f"unmask shares from node {h}, not a survivor")
+            for u, s in r.get("seed_shares", {}).items():
+                if int(u) in seed_shares and (h == int(u) or h in self.graph[int(u)]):
+                    seed_shares[int(u)].append(bytes(s))
+            for v, s in r.get("key_shares", {}).items():
+                if int(v) in key_shares and h in self.graph[int(v)]:
+                    key_shares[int(v)].append(bytes(s))
+        self._need(len(replies), "answered the unmask stage")
+        t = cfg.threshold
+        total = np.zeros(cfg.size, dtype=np.int64)
+        for u in survivors:
+            if len(seed_shares[u]) < t:
+                raise SecureSumRefused(f"client {u}'s self-mask seed has {len(seed_shares[u])} shares, the threshold is "
+                                       f"{t}: too many of its holders dropped")
+            b_u = MK.combine_secret(seed_shares[u][:t])
+            total = add_mod(total, sub_mod(self.masked[u], MK.mask(b_u, cfg.size, cfg.bits, b"self"), cfg.bits), cfg.bits)
+        for v in dropped:
+            partners = [u for u in self.graph[v] if u in self.masked]
+            if not partners:
+                continue
+            if len(key_shares[v]) < t:
+                raise SecureSumRefused(f"dropped client {v}'s mask key has {len(key_shares[v])} shares, the threshold "
+                                       f"is {t}: its pairwise masks cannot be removed")
+            sk_v = MK.combine_secret(key_shares[v][:t])
+            for u in partners:
+                pairwise = MK.mask(MK.agreed_seed(sk_v, self.keys[u][1]), cfg.size, cfg.bits, b"pair")
+                # u added +PRG(s_uv) if u > v, -PRG(s_uv) if u < v: remove it
+                total = sub_mod(total, pairwise, cfg.bits) if u > v else add_mod(total, pairwise, cfg.bits)
+        return total, survivors
+
+
+# -- an in-process run -----------------------------------------------------------------------------
+STAGES = ("advertise_keys", "share_keys", "masked_input", "unmask")
+
+
+def simulate(config: SecureSumConfig, inputs: dict[int, np.ndarray], *, drop: dict[int, str] | None = None,
+             recorder: Recorder | None = None) -> tuple[np.ndarray, list[int]]:
+    """One secure-sum round in-process. ``drop[node] = stage`` makes that client vanish before
+    answering that stage (one of ``STAGES``). Returns the server's (sum mod 2^bits, survivors)."""
+    drop = dict(drop or {})
+    for node, stage in drop.items():
+        if stage not in STAGES:
+            raise ValueError(f"drop stage must be one of {STAGES}, got {stage!r}")
+    if set(inputs) != set(config.nodes):
+        raise ValueError("one input per node of the cohort")
+    clients = {u: SecureSumClient(u, config) for u in config.nodes}
+    server = SecureSumServer(config, recorder)
+
+    def alive(stage, nodes):
+        return [u for u in nodes if drop.get(u) not in STAGES[: STAGES.index(stage) + 1]]
+
+    keys = server.receive_keys({u: clients[u].advertise_keys() for u in alive("advertise_keys", clients)})
+    sealed = server.receive_shares({u: clients[u].share_keys(keys[u]) for u in alive("share_keys", keys)})
+    requests = server.receive_masked({u: clients[u].masked_input(sealed[u], inputs[u])
+                                      for u in alive("masked_input", sealed)})
+    return server.unmask({u: clients[u].unmask(**requests[u]) for u in alive("unmask", requests)})
