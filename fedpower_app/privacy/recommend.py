@@ -6,7 +6,7 @@ rate). Output: the batch b per silo, the local steps L, the rounds T, the noise 
 clip C and the learning rate, for DP-SGD on the silos. The rules read only those inputs: they see no
 row and no statistic of one, so choosing by them spends no privacy.
 
-The rules, and the SST-2 measurements they come from (RESULTS.md, "Issue #32"; the recipe is
+The rules, and the SST-2 measurements they come from (RESULTS.md, the private SST-2 recipe; it is
 ``conf/sst2-dp.toml``: 6 silos of 11,000 rows, b = 1,000, L = 4, T = 14, lr 0.0175, ε 8 → σ 0.845):
 
 1. **A fixed number of epochs** E (default 5, the recipe's 5.1). More epochs at the same ε buy
