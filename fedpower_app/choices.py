@@ -24,7 +24,12 @@ ACCOUNTANTS = ("rdp", "pld")
 SAMPLE_MODES = ("two-stage", "product")
 CALIBRATIONS = ("rigorous", "paper")
 CLIENT_REFACTORIZATIONS = tuple(CLIENT_REFACTORIZATION)
-TASKS = ("synthetic", "sst2", "qnli", "mnli", "qqp")
+TASKS = ("synthetic", "sst2", "qnli", "mnli", "qqp", "text")
+#: How the silos of a simulation are cut (task.partitioner): this project's split (IID, or its
+#: size-preserving Dirichlet split when task.dirichlet-alpha > 0), or flwr-datasets' partitioners.
+PARTITIONERS = ("fedpower", "iid", "dirichlet")
+#: What the console, the curves and the tables lead with (task.metric); every run reports all three.
+METRICS = ("accuracy", "macro-f1", "balanced-accuracy")
 DEVICES = ("auto", "cpu", "cuda")
 LR_SCHEDULES = ("constant", "cosine")
 LOCAL_OPTIMIZERS = ("adam", "sgd")

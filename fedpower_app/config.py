@@ -18,6 +18,7 @@ PROJECT_ROOT = Path(__file__).resolve().parents[1]
 from .choices import (  # noqa: E402
     ACCOUNTANTS, CALIBRATIONS, CLIENT_REFACTORIZATIONS, DEVICES, DIAGNOSTICS, DP_LEVELS, LOCAL_OPTIMIZERS,
     LR_SCHEDULES, NOISE_AT, OPTIMIZER_STATES, POOLINGS, PRECISIONS, NOISE_MODES, SAMPLE_MODES, STRATEGIES, TASKS,
+    PARTITIONERS, METRICS,
 )
 
 
@@ -84,6 +85,15 @@ SCHEMA: dict[str, tuple[type, Callable[[Any], str | None] | None]] = {
     "task.cache-dir": (str, None),
     "task.train-rows": (str, None),
     "task.validation-rows": (int, _nonneg),
+    "task.text-column": (str, None),
+    "task.text-pair-column": (str, None),
+    "task.label-column": (str, None),
+    "task.labels": (str, None),
+    "task.dataset": (str, None),
+    "task.dataset-subset": (str, None),
+    "task.dataset-eval-split": (str, None),
+    "task.partitioner": (str, _in(PARTITIONERS)),
+    "task.metric": (str, _in(METRICS)),
     "model.name": (str, None),
     "model.target-modules": (str, None),
     "model.train-head": (bool, None),
@@ -105,6 +115,8 @@ SCHEMA: dict[str, tuple[type, Callable[[Any], str | None] | None]] = {
     "train.cache-frozen": (bool, None),
     "train.precision": (str, _in(PRECISIONS)),
     "train.physical-batch-size": (int, _nonneg),
+    "train.auto": (bool, None),
+    "train.epochs": (float, _pos),
     "eval.batch-size": (int, _min1),
     "eval.every": (int, _min1),
     "eval.fraction-clients": (float, _unit),
@@ -338,3 +350,34 @@ def _cross_checks(v: dict[str, Any]) -> None:
                           "its own train rows)")
     if v["task.name"] == "synthetic" and v["task.data-dir"]:
         raise ConfigError("config key 'task.data-dir' is set but task.name = 'synthetic' (choose a GLUE task)")
+    _text_task_checks(v)
+
+
+def _text_task_checks(v: dict[str, Any]) -> None:
+    """The generic text task's keys: declared labels, named columns, one source of rows."""
+    if v["task.name"] != "text":
+        if v["task.dataset"]:
+            raise ConfigError("config key 'task.dataset' needs task.name = 'text' (with task.labels and the columns)")
+    else:
+        from .data.text_files import parse_labels
+
+        try:
+            parse_labels(v["task.labels"])
+        except ValueError as exc:
+            raise ConfigError(f"config key 'task.labels' {exc}") from None
+        for key in ("task.text-column", "task.label-column"):
+            if not v[key].strip():
+                raise ConfigError(f"config key {key!r} is empty: name the column of the task's files")
+        columns = [v["task.text-column"], v["task.label-column"]] + ([v["task.text-pair-column"]] if v["task.text-pair-column"] else [])
+        if len(set(columns)) < len(columns):
+            raise ConfigError("config keys 'task.text-column', 'task.text-pair-column' and 'task.label-column' must "
+                              "name different columns")
+        if v["task.dataset"] and v["task.data-dir"]:
+            raise ConfigError("config keys 'task.dataset' and 'task.data-dir' are exclusive (a hub dataset, or local files)")
+    if v["task.partitioner"] == "dirichlet" and not v["task.dirichlet-alpha"] > 0:
+        raise ConfigError("config key 'task.partitioner' = 'dirichlet' needs task.dirichlet-alpha > 0")
+    if v["task.partitioner"] == "iid" and v["task.dirichlet-alpha"] > 0:
+        raise ConfigError("config key 'task.partitioner' = 'iid' with task.dirichlet-alpha > 0: choose 'dirichlet' "
+                          "(flwr-datasets) or 'fedpower' (this project's size-preserving split)")
+    if v["task.partitioner"] != "fedpower" and v["task.train-rows"]:
+        raise ConfigError("config key 'task.partitioner' must be 'fedpower' with task.train-rows (an audit places its rows)")

@@ -37,7 +37,11 @@ DEFAULT_TARGETS = {
     "qwen2": ["q_proj", "v_proj"],
     "gemma": ["q_proj", "v_proj"],
 }
-HEAD_MODULES = {"distilbert": ["pre_classifier", "classifier"]}
+HEAD_MODULES = {"distilbert": ["pre_classifier", "classifier"], "deberta": ["pooler", "classifier"],
+                "deberta-v2": ["pooler", "classifier"]}
+#: An architecture missing from DEFAULT_TARGETS: its attention's query and value projections,
+#: found by the names common architectures give them.
+PROJECTION_NAMES = (("query", "value"), ("q_proj", "v_proj"), ("q_lin", "v_lin"), ("query_proj", "value_proj"))
 LORA_A, LORA_B = ".lora_A.weight", ".lora_B.weight"
 
 
@@ -66,15 +70,24 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def target_modules_for(model_type: str, configured: list[str]) -> list[str]:
+def target_modules_for(model_type: str, configured: list[str], model=None) -> list[str]:
+    """``model.target-modules`` when set; else the architecture's (DEFAULT_TARGETS); else, for an
+    architecture not listed, the query and value projections found in ``model`` by their common
+    names. Otherwise a ValueError naming the linear modules the model has."""
     if configured:
         return configured
-    if model_type not in DEFAULT_TARGETS:
-        raise ValueError(
-            f"no default LoRA targets for architecture {model_type!r}; set model.target-modules "
-            f"(known: {', '.join(sorted(DEFAULT_TARGETS))})"
-        )
-    return DEFAULT_TARGETS[model_type]
+    if model_type in DEFAULT_TARGETS:
+        return DEFAULT_TARGETS[model_type]
+    found = sorted({name.rsplit(".", 1)[-1] for name, m in (model.named_modules() if model is not None else ())
+                    if isinstance(m, torch.nn.Linear)})
+    for pair in PROJECTION_NAMES:
+        if set(pair) <= set(found):
+            log.info("architecture %r: LoRA on its attention projections %s", model_type, ", ".join(pair))
+            return list(pair)
+    raise ValueError(
+        f"no LoRA targets known for architecture {model_type!r}: its linear modules are "
+        f"{', '.join(found) if found else '(none found)'}; set model.target-modules to its attention projections "
+        f"(known architectures: {', '.join(sorted(DEFAULT_TARGETS))})")
 
 
 @lru_cache(maxsize=2)
@@ -187,7 +200,7 @@ def build_model(cfg: RunConfig, num_labels: int, device: torch.device | str | No
     device = resolve_device(cfg["device"]) if device is None else torch.device(device)
     base = base.to(device)
     model_type = base.config.model_type
-    targets = target_modules_for(model_type, cfg.target_modules)
+    targets = target_modules_for(model_type, cfg.target_modules, base)
     head = HEAD_MODULES.get(model_type, ["classifier"]) if cfg["model.train-head"] else None
     top = cfg["lora.top-layers"]
     depth = int(getattr(base.config, "num_hidden_layers", 0) or 0)

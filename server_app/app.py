@@ -164,6 +164,7 @@ class CentralEvaluator:
                                  logits_out=logits)
             if i == 0:
                 out["accuracy"], out["loss"] = res["accuracy"], res["loss"]
+                out.update({k: v for k, v in res.items() if k in EVALUATION_METRICS})  # macro-F1, baseline ...
                 self.last_logits = torch.cat(logits) if logits else torch.empty(0)
             out[f"{name}-accuracy"], out[f"{name}-loss"] = res["accuracy"], res["loss"]
         self.last_state = {k: v.detach().clone() for k, v in state.items()}
@@ -173,6 +174,19 @@ class CentralEvaluator:
         """Was ``state`` the subject of the last evaluation (bit for bit)?"""
         last = self.last_state
         return last is not None and last.keys() == state.keys() and all(torch.equal(last[k], state[k]) for k in state)
+
+
+#: What a central evaluation reports beside accuracy and loss (fedpower_app.training.metrics).
+EVALUATION_METRICS = ("macro-f1", "balanced-accuracy", "majority-accuracy", "majority-macro-f1")
+
+
+def metric_text(metrics: MetricRecord, lead: str = "accuracy") -> str:
+    """``acc 0.8123 loss 0.4120``, led by ``task.metric`` with the majority baseline when it is another."""
+    text = f"acc {metrics['accuracy']:.4f} loss {metrics['loss']:.4f}"
+    if lead != "accuracy" and lead in metrics:
+        base = metrics.get("majority-macro-f1") if lead == "macro-f1" else None
+        text = f"{lead} {metrics[lead]:.4f}" + (f" (majority {base:.4f})" if base is not None else "") + " " + text
+    return text
 
 
 def _mb(n: int) -> str:
@@ -185,10 +199,10 @@ SILO_DP_ROUND_LABELS = {"powerdp": "refactor, DP-SGD on silos", "fedlora": "aver
 
 
 def progress_line(row: dict, metrics: MetricRecord | None, num_rounds: int, epsilon_target, wall: float | None,
-                  round_seconds: float | None = None, label: str | None = None) -> str:
+                  round_seconds: float | None = None, label: str | None = None, lead: str = "accuracy") -> str:
     """The console line of a round, from its (possibly redacted) results row: what the row does
-    not carry (a private run's reply counts, see Disclosure) is not shown."""
-    acc = f"acc {metrics['accuracy']:.4f} loss {metrics['loss']:.4f}" if metrics is not None else "acc -"
+    not carry (a private run's reply counts, see Disclosure) is not shown. ``lead``: task.metric."""
+    acc = metric_text(metrics, lead) if metrics is not None else "acc -"
     if row.get("epsilon") is None:
         eps = "eps n/a (non-private)"
     else:
@@ -419,9 +433,9 @@ def _run(grid: Grid, cfg: RunConfig, run_dir: Path, results: ResultsWriter, chec
         if disclosure.shows_timing:
             previous = results.data["rounds"][-2].get("wall_seconds", 0.0) if len(results.data["rounds"]) > 1 else 0.0
             line = progress_line(row, metrics, cfg["num-server-rounds"], target, row["wall_seconds"],
-                                 row["wall_seconds"] - previous, label)
+                                 row["wall_seconds"] - previous, label, cfg["task.metric"])
         else:
-            line = progress_line(row, metrics, cfg["num-server-rounds"], target, None, None, label)
+            line = progress_line(row, metrics, cfg["num-server-rounds"], target, None, None, label, cfg["task.metric"])
         if paper:  # the paper's calibration: show the true epsilon, never the claimed one as a budget
             line = line.replace("| eps ", f"| TRUE eps (paper claims {cfg['dp.epsilon']:g}) ")
         log.info("%s", line)
@@ -453,7 +467,7 @@ def _run(grid: Grid, cfg: RunConfig, run_dir: Path, results: ResultsWriter, chec
         initial = evaluate_fn(0, ArrayRecord(initial_state))
         if initial is not None:
             results.set("initial_evaluation", {k: float(v) for k, v in initial.items()})
-            log.info("[round 0] acc %.4f loss %.4f (initial model)", initial["accuracy"], initial["loss"])
+            log.info("[round 0] %s (initial model)", metric_text(initial, cfg["task.metric"]))
 
     result = strategy.start(
         grid=grid,

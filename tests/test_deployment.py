@@ -330,12 +330,39 @@ def test_silos_with_their_own_data(tmp_path):
     and its epsilon follows its own n_k; the server's config names only its own evaluation folder,
     and no server-side process (SuperLink, SuperExec, ServerApp) ever opens or lists a path under
     the silos' directories (an audit hook in each of them)."""
-    from fedpower_app.credentials import make_credentials
-    from tests.test_silo_data import SIZES, check_server_view, check_silo_ledgers, make_silos
+    from tests.test_silo_data import make_silos
 
-    t0 = time.time()
     sites = tmp_path / "sites"
     silos, server_dir = make_silos(sites)
+    own_data_deployment(tmp_path, sites, silos, server_dir, {"task.name": "sst2"},
+                        silos[0] / "SST-2" / "train.tsv", "dev.tsv")
+
+
+def test_silos_with_their_own_csv_jsonl_and_parquet_files(tmp_path):
+    """The docs/deployment.md walkthrough "From a CSV on the silo's disk to a released model": the
+    generic text task, three SuperNodes that each hold a differently shaped file of their own (a
+    CSV, a JSON Lines file with extra fields, a Parquet file with its columns in another order), the
+    labels declared in the run config; the released model reloads."""
+    from tests.test_text_task import make_text_silos
+
+    sites = tmp_path / "sites"
+    silos, server_dir, keys = make_text_silos(sites)
+    results = own_data_deployment(tmp_path, sites, silos, server_dir, keys, silos[0] / "train.csv",
+                                  "validation.csv")
+    from fedpower_app.released import load_released
+
+    model, _tok = load_released(results["adapter_dir"])
+    assert model.config.num_labels == 2
+
+
+def own_data_deployment(tmp_path, sites, silos, server_dir, task_keys: dict, probe_file, server_eval_name: str) -> dict:
+    """A SuperLink with TLS and authentication, three SuperNodes each with node config data-dir,
+    silo-id, ledger-file and dp-max-epsilon, DP-SGD on the silos; checks the run, the ledgers and
+    that no server-side process reads a silo's path. Returns results.json."""
+    from fedpower_app.credentials import make_credentials
+    from tests.test_silo_data import SIZES, check_server_view, check_silo_ledgers
+
+    t0 = time.time()
     creds = tmp_path / "creds"
     names = [f"silo{k}" for k in range(3)]
     make_credentials(creds, hosts=["localhost", "127.0.0.1"], supernodes=names)
@@ -355,9 +382,9 @@ def test_silos_with_their_own_data(tmp_path):
                   "FEDPOWER_AUDIT_LOG": str(audit_log), "FEDPOWER_CACHE": str(tmp_path / "server-cache")}
     # the hook sees a read when there is one (positive control, in a throwaway process)
     probe_log = tmp_path / "probe.log"
-    subprocess.run([sys.executable, "-c", f"open({str(silos[0] / 'SST-2' / 'train.tsv')!r}).read()"],
+    subprocess.run([sys.executable, "-c", f"open({str(probe_file)!r}).read()"],
                    env={**server_env, "FEDPOWER_AUDIT_LOG": str(probe_log)}, check=True, timeout=60)
-    assert "READ" in probe_log.read_text() and "train.tsv" in probe_log.read_text()
+    assert "READ" in probe_log.read_text() and probe_file.name in probe_log.read_text()
     logs = {name: open(tmp_path / f"{name}.log", "w") for name in ("superlink", *names)}
     procs = {}
     try:
@@ -378,7 +405,7 @@ def test_silos_with_their_own_data(tmp_path):
         out = tmp_path / "outputs"
         run_config = {**load_preset(PROJECT_ROOT / "conf" / "tiny.toml"), "output-dir": str(out), "run-name": "silos",
                       "num-server-rounds": 2, "strategy.client-rate": 1.0, "strategy.min-nodes": 3,
-                      "task.name": "sst2", "task.data-dir": str(server_dir), "dp.level": "sample",
+                      **task_keys, "task.data-dir": str(server_dir), "dp.level": "sample",
                       "dp.noise-at": "silo", "dp.epsilon": 8.0, "eval.fraction-clients": 0.0}
         overrides = run_config_arg(run_config)
         assert str(sites / "silo-") not in overrides  # the run config names no silo's directory
@@ -401,7 +428,7 @@ def test_silos_with_their_own_data(tmp_path):
         audit = audit_log.read_text().splitlines()
         serverapp = [line.split()[1] for line in audit if line.startswith("started") and "flwr-serverapp" in line]
         assert serverapp, audit[:20]
-        assert any(line.startswith(f"SEEN {pid} open ") and line.endswith("dev.tsv") for pid in serverapp
+        assert any(line.startswith(f"SEEN {pid} open ") and line.endswith(server_eval_name) for pid in serverapp
                    for line in audit), audit[:20]  # the hook was live where the server read its own data
         reads = [line for line in audit if line.startswith("READ")]
         assert not reads, reads[:10]
@@ -419,5 +446,6 @@ def test_silos_with_their_own_data(tmp_path):
               f"{[round(r['epsilon'], 3) for r in rows]} (q {[round(r['q'], 4) for r in rows]}, sigma "
               f"{rows[0]['sigma']:.4f}, {rows[0]['rounds']} rounds), final accuracy "
               f"{results['totals'].get('final_accuracy')}, wall {time.time() - t0:.0f} s")
+        return results
     finally:
         _stop_all(procs, logs)

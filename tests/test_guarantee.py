@@ -18,12 +18,15 @@ from fedpower_app.privacy.accounting.silo import SILO_DEFAULT_DELTA, SiloLedger,
 from fedpower_app.config import parse_config
 from fedpower_app.training.dp_sgd import DPSGDParams
 from fedpower_app.privacy import build_privacy, guarantee
+from server_app import app as server_app
 from strategies.privacy_contract import Disclosure
 
 from .test_app_inprocess import TINY, run_inprocess
 
-# What a private round row may carry: the covered fields, the central evaluation, wall time.
-COVERED = set(Disclosure.COVERED_ROUND_FIELDS) | {"accuracy", "loss", "wall_seconds"}
+# What a private round row may carry: the covered fields, the central evaluation (on the server's
+# own evaluation split: accuracy, loss, macro-F1, balanced accuracy, the majority baseline), wall time.
+COVERED = (set(Disclosure.COVERED_ROUND_FIELDS) | {"accuracy", "loss", "wall_seconds"}
+           | set(server_app.EVALUATION_METRICS))
 UNCOVERED = ("update_norm_mean", "clipped_fraction", "train_loss", "aggregated", "replied", "dropped", "missing",
              "bytes_up", "aggregation_seconds")
 

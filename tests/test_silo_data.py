@@ -90,7 +90,7 @@ def bad_input_cases(tmp_path: Path) -> dict[str, tuple[Path, str, list[str]]]:
     f.write_text("x")
     cases["data-dir is a file"] = (f, "sst2", ["is not a directory"])
     d = silo_dir(tmp_path, "fine", HEADER + "a fine film\t1\n")
-    cases["synthetic task"] = (d, "synthetic", ["task.name is 'synthetic'", "task.name = 'sst2'"])
+    cases["synthetic task"] = (d, "synthetic", ["task.name is 'synthetic'", "task.name = 'text'", "'sst2'"])
     cases["wrong task format"] = (d, "qnli", ["No GLUE qnli data"])
     return cases
 

@@ -4,6 +4,9 @@
   and cache on disk (``load_task``, ``client_shard``, ``eval_splits``, ``TokenizedSplit``, ...);
 * ``glue``: SST-2, QNLI, MNLI and QQP from local files or the Hugging Face hub (the loaders; the
   task specs are in ``glue_tasks``, the file readers in ``glue_files``);
+* ``text_files``: any text-classification table (``task.name = "text"``): CSV, TSV, JSON Lines or
+  Parquet, with configured columns and declared labels; ``text_hub``: the same from a Hugging Face
+  dataset through flwr-datasets, and silos cut by its partitioners;
 * ``synthetic``: the generated offline task;
 * ``silo``: a deployed silo's own directory (node config ``data-dir``), read with one-line errors;
 * ``types``: ``TextExamples`` and ``TaskData``.
@@ -16,5 +19,6 @@ from __future__ import annotations
 
 from ..lazy import forward_to
 
-__getattr__ = forward_to(__name__, "pipeline", ("pipeline", "glue", "glue_tasks", "glue_files", "synthetic", "silo", "types"))
+__getattr__ = forward_to(__name__, "pipeline", ("pipeline", "glue", "glue_tasks", "glue_files", "synthetic", "silo", "types",
+                                                          "text_files", "text_hub"))
 

@@ -27,6 +27,12 @@ log = logging.getLogger("fedpower")
 
 def load_task(cfg: RunConfig) -> TaskData:
     """The configured task's train and evaluation splits (cached per process)."""
+    if cfg["task.name"] == "text":
+        from .text_files import text_spec
+
+        return _load_text_cached(text_spec(cfg), cfg["task.data-dir"], cfg["task.dataset"], cfg["task.dataset-subset"],
+                                 cfg["task.dataset-eval-split"], cfg["task.max-train"], cfg["task.max-eval"],
+                                 cfg["seed"], cfg["task.train-rows"], cfg["task.validation-rows"])
     return _load_task_cached(
         cfg["task.name"], cfg["task.data-dir"], cfg["task.max-train"], cfg["task.max-eval"],
         cfg["task.synthetic-train-size"], cfg["task.synthetic-eval-size"], cfg["seed"], cfg["task.train-rows"],
@@ -60,6 +66,40 @@ def _load_task_cached(name, data_dir, max_train, max_eval, syn_train, syn_eval, 
                       validation_rows=0) -> TaskData:
     task = _load_source(name, data_dir, max_train, max_eval, syn_train, syn_eval, seed, train_rows)
     return carve_validation(task, validation_rows) if validation_rows else task
+
+
+@lru_cache(maxsize=4)
+def _load_text_cached(spec, data_dir, dataset, subset, eval_split, max_train, max_eval, seed, train_rows,
+                      validation_rows) -> TaskData:
+    """The generic text task: local files (``text_files``) or a dataset through flwr-datasets (``text_hub``)."""
+    if dataset:
+        from .text_hub import load_text_hub
+
+        task = load_text_hub(spec, dataset, subset, eval_split)
+    elif data_dir:
+        from .text_files import read_text_dir
+
+        task = read_text_dir(data_dir, spec, need_eval=True)
+    else:
+        raise ValueError("task.name = 'text' reads its rows from task.data-dir (local files) or task.dataset (a Hugging "
+                         "Face dataset); both are empty")
+    if max_train or max_eval:
+        from .glue import subsample_examples
+
+        task = dataclasses.replace(
+            task, train=subsample_examples(task.train, max_train or None, seed, "train") if len(task.train) else task.train,
+            eval_splits={s: subsample_examples(e, max_eval or None, seed, s) for s, e in task.eval_splits.items()})
+    if train_rows:
+        task = select_train_rows(task, train_rows)
+    return carve_validation(task, validation_rows) if validation_rows else task
+
+
+def text_task_key(cfg: RunConfig) -> dict:
+    """What identifies the rows of a ``text`` task beyond ``task.data-dir`` (token cache keys)."""
+    if cfg["task.name"] != "text":
+        return {}
+    return {k: cfg[k] for k in ("task.text-column", "task.text-pair-column", "task.label-column", "task.labels",
+                                "task.dataset", "task.dataset-subset", "task.dataset-eval-split")}
 
 
 def _load_source(name, data_dir, max_train, max_eval, syn_train, syn_eval, seed, train_rows="") -> TaskData:
@@ -322,8 +362,14 @@ def client_shard(cfg: RunConfig, tokenizer, partition_id: int, num_partitions: i
                                   "max_len": cfg["task.max-length"], "data": cfg["task.data-dir"],
                                   "rows": _file_digest(cfg["task.train-rows"]), "layout": "explicit"})
         return dataclasses.replace(shard, declared_size=int(declared[partition_id]))
-    idx = partition_indices(len(task.train), num_partitions, partition_id, cfg["seed"],
-                            labels=task.train.labels, dirichlet_alpha=alpha)
+    if cfg["task.partitioner"] == "fedpower":
+        idx = partition_indices(len(task.train), num_partitions, partition_id, cfg["seed"],
+                                labels=task.train.labels, dirichlet_alpha=alpha)
+    else:  # flwr-datasets' IidPartitioner or DirichletPartitioner
+        from .text_hub import flwr_partition_indices
+
+        idx = flwr_partition_indices(task.train.labels, num_partitions, partition_id, cfg["seed"],
+                                     cfg["task.partitioner"], alpha)
     key = {"task": task.name, "split": "train", "part": partition_id, "of": num_partitions,
            "seed": cfg["seed"], "max_len": cfg["task.max-length"], "data": cfg["task.data-dir"],
            "max_train": cfg["task.max-train"], "syn": cfg["task.synthetic-train-size"],
@@ -332,6 +378,9 @@ def client_shard(cfg: RunConfig, tokenizer, partition_id: int, num_partitions: i
         key["validation_rows"] = cfg["task.validation-rows"]
     if alpha:  # (IID shards keep their old cache keys)
         key["dirichlet_alpha"] = alpha
+    if cfg["task.partitioner"] != "fedpower":
+        key["partitioner"] = cfg["task.partitioner"]
+    key.update(text_task_key(cfg))
     return tokenized_cached(task.train.select(idx), tokenizer, cfg["task.max-length"], cache_dir(cfg), key)
 
 
@@ -342,6 +391,7 @@ def eval_splits(cfg: RunConfig, tokenizer) -> dict[str, TokenizedSplit]:
     for name, examples in task.eval_splits.items():
         key = {"task": task.name, "split": name, "seed": cfg["seed"], "max_len": cfg["task.max-length"],
                "data": cfg["task.data-dir"], "max_eval": cfg["task.max-eval"], "syn": cfg["task.synthetic-eval-size"]}
+        key.update(text_task_key(cfg))
         if name == VALIDATION_SPLIT:
             key.update(validation_rows=cfg["task.validation-rows"], max_train=cfg["task.max-train"],
                        syn_train=cfg["task.synthetic-train-size"])

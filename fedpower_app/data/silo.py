@@ -36,7 +36,13 @@ OWN_DATA = 0
 
 class SiloDataError(ValueError):
     """A silo's own data cannot be used. The message is complete on one line (file, line, what was
-    expected); it is raised without a chained traceback."""
+    expected); it is raised without a chained traceback. ``public``, when set, is the same reason
+    without any row's line or value: what the silo answers the server (the full line stays in the
+    silo's log)."""
+
+    def __init__(self, message: str, public: str | None = None) -> None:
+        super().__init__(message)
+        self.public = public
 
 
 def _header_hint(task: str) -> str:
@@ -79,11 +85,13 @@ def _read(task: str, paths: list[Path]) -> TextExamples:
 
 
 def _own_task_name(task: str, data_dir) -> str:
+    if str(task).strip().lower() == "text":
+        return "text"
     if str(task).strip().lower() == "synthetic":
         raise SiloDataError(
             f"silo data: this silo reads its own files (data-dir {data_dir}), but the run's task.name is "
-            "'synthetic', a generated task with no files; run a GLUE task (task.name = 'sst2', 'qnli', 'mnli' "
-            "or 'qqp') in the format of the silo's files")
+            "'synthetic', a generated task with no files; run task.name = 'text' (any table, with task.labels), "
+            "or a GLUE task ('sst2', 'qnli', 'mnli' or 'qqp') in the format of the silo's files")
     try:
         return normalise_task_name(task)
     except ValueError as exc:
@@ -135,9 +143,44 @@ def load_own_task(task: str, data_dir: str, *, max_train: int = 0, max_eval: int
     return data
 
 
+def read_silo_text_task(spec, data_dir: str | Path) -> TaskData:
+    """A ``text`` task's silo: its own directory's training file (required) and evaluation file
+    (optional). Raises :class:`SiloDataError` whose ``public`` reason names no row."""
+    from .text_files import TextDataError, read_text_dir
+
+    if not str(data_dir).strip():
+        raise SiloDataError("silo data: the node config data-dir is empty; give the directory of this silo's files")
+    try:
+        return read_text_dir(data_dir, spec, need_eval=False)
+    except TextDataError as exc:
+        raise SiloDataError(f"silo data: {exc}", f"silo data unusable: {exc.public} (the line and column are in "
+                            "this silo's log)") from None
+    except OSError as exc:
+        raise SiloDataError(f"silo data: cannot read {exc.filename or data_dir}: {exc.strerror or exc}",
+                            "silo data unusable: a file cannot be read (see this silo's log)") from None
+
+
+@lru_cache(maxsize=4)
+def load_own_text_task(spec, data_dir: str, *, max_train: int = 0, max_eval: int = 0, seed: int = 0) -> TaskData:
+    """:func:`read_silo_text_task`, capped and cached as :func:`load_own_task`."""
+    data = read_silo_text_task(spec, data_dir)
+    if max_train or max_eval:
+        from .glue import subsample_examples
+
+        data = dataclasses.replace(
+            data, train=subsample_examples(data.train, max_train or None, seed, "train"),
+            eval_splits={s: subsample_examples(e, max_eval or None, seed, s) for s, e in data.eval_splits.items()})
+    return data
+
+
 def silo_task(cfg: RunConfig) -> TaskData:
     """The task of a silo's own data, ``cfg`` being :func:`own_data`'s (its ``task.data-dir`` is the
     silo's directory)."""
+    if cfg["task.name"] == "text":
+        from .text_files import text_spec
+
+        return load_own_text_task(text_spec(cfg), cfg["task.data-dir"], max_train=cfg["task.max-train"],
+                                  max_eval=cfg["task.max-eval"], seed=cfg["seed"])
     return load_own_task(cfg["task.name"], cfg["task.data-dir"], max_train=cfg["task.max-train"],
                          max_eval=cfg["task.max-eval"], seed=cfg["seed"])
 
@@ -148,10 +191,13 @@ def own_data(cfg: RunConfig, data_dir) -> tuple[RunConfig, TaskData]:
     :class:`SiloDataError`, whose one-line reason is also logged on the silo."""
     try:
         _own_task_name(cfg["task.name"], data_dir)  # before the config check, which names only the run config
-        silo_cfg = parse_config({**cfg.to_dict(), "task.data-dir": str(data_dir).strip()})
+        # the silo's own files replace the run's source of rows (a simulation's hub dataset included)
+        silo_cfg = parse_config({**cfg.to_dict(), "task.data-dir": str(data_dir).strip(), "task.dataset": ""})
         return silo_cfg, silo_task(silo_cfg)
     except SiloDataError as exc:
         log.error("%s", exc)
+        if exc.public:  # the server hears the reason, not the row
+            raise SiloDataError(exc.public) from None
         raise
 
 
@@ -175,8 +221,10 @@ def silo_shard(cfg: RunConfig, tokenizer):
     from .pipeline import cache_dir, tokenized_cached
 
     task = silo_task(cfg)
+    from .pipeline import text_task_key
+
     key = {"task": task.name, "split": "train", "own-data": cfg["task.data-dir"], "seed": cfg["seed"],
-           "max_len": cfg["task.max-length"], "max_train": cfg["task.max-train"]}
+           "max_len": cfg["task.max-length"], "max_train": cfg["task.max-train"], **text_task_key(cfg)}
     return tokenized_cached(task.train, tokenizer, cfg["task.max-length"], cache_dir(cfg), key)
 
 
@@ -186,12 +234,15 @@ def silo_eval_split(cfg: RunConfig, tokenizer):
 
     task = silo_task(cfg)
     if not task.eval_splits:
-        spec = get_task_spec(task.name)
+        expected = ("validation.csv / .tsv / .jsonl / .parquet" if task.name == "text" else
+                    (lambda spec: spec.split_files[spec.eval_splits[0]][0])(get_task_spec(task.name)))
         raise SiloDataError(
-            f"silo data: {cfg['task.data-dir']} holds no evaluation split ({spec.split_files[spec.eval_splits[0]][0]}), "
+            f"silo data: {cfg['task.data-dir']} holds no evaluation split ({expected}), "
             "so this silo cannot answer evaluate messages; run with eval.fraction-clients = 0 (central evaluation "
             "on the server's own data) or give the silo one")
     name, examples = next(iter(task.eval_splits.items()))
+    from .pipeline import text_task_key
+
     key = {"task": task.name, "split": name, "own-data": cfg["task.data-dir"], "seed": cfg["seed"],
-           "max_len": cfg["task.max-length"], "max_eval": cfg["task.max-eval"]}
+           "max_len": cfg["task.max-length"], "max_eval": cfg["task.max-eval"], **text_task_key(cfg)}
     return tokenized_cached(examples, tokenizer, cfg["task.max-length"], cache_dir(cfg), key)

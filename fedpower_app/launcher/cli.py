@@ -222,6 +222,26 @@ def check_data(cfg: RunConfig, num_supernodes: int) -> None:
         raise ConfigError(problem)
 
 
+def resolve_auto(overrides: dict[str, Any], explicit, *, app_dir: str | Path, num_supernodes: int) -> dict[str, Any]:
+    """With ``train.auto``: the overrides completed with the public rules' settings for these silos
+    (fedpower_app/privacy/recommend.py), printed with why; unchanged otherwise. Raises ConfigError."""
+    pyproject = Path(app_dir) / "pyproject.toml"
+    cfg = validate_overrides(overrides, pyproject=pyproject if pyproject.exists() else None)
+    if not cfg["train.auto"]:
+        return overrides
+    from ..data import load_task, shard_sizes
+    from ..privacy.recommend import auto_settings
+
+    try:
+        sizes = shard_sizes(len(load_task(cfg).train), num_supernodes)
+        settings, lines = auto_settings(cfg, sizes, explicit)
+    except (OSError, ValueError, RuntimeError) as exc:
+        raise ConfigError(f"train.auto: {' '.join(str(exc).split())}") from None
+    for line in lines:
+        print(f"fedpower-run: {line}", flush=True)
+    return {**overrides, **settings}
+
+
 def check_ray(args: argparse.Namespace, backend: str) -> str | None:
     """The Ray cluster to join (``--ray-address``, else ``RAY_ADDRESS``), checked before anything
     starts: it answers, it has a node that fits a ClientApp, and no resource argument that Ray refuses
@@ -325,6 +345,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"({method_source}): "
                       + ", ".join(f"{k}={v!r}" for k, v in from_method.items()) + " (a --set of a key wins)",
                       flush=True)
+            overrides = resolve_auto(overrides, sets, app_dir=args.app,
+                                     num_supernodes=6 if args.supernodes is None else args.supernodes)
             spec = RunSpec(overrides, backend=args.backend or "flwr",
                            supernodes=6 if args.supernodes is None else args.supernodes,
                            cpus_per_client=1.0 if args.cpus_per_client is None else args.cpus_per_client,

@@ -24,6 +24,10 @@ def dp_sgd_enabled(cfg: RunConfig) -> bool:
 def num_labels_of(cfg: RunConfig) -> int:
     if cfg["task.name"] == "synthetic":
         return 2
+    if cfg["task.name"] == "text":  # declared in the configuration
+        from ..data.text_files import parse_labels
+
+        return len(parse_labels(cfg["task.labels"]))
     from ..data.glue_tasks import get_task_spec
 
     return get_task_spec(cfg["task.name"]).num_labels

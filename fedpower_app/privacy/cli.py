@@ -102,6 +102,17 @@ def build_parser() -> argparse.ArgumentParser:
     old = p.add_argument_group("older flags (each overrides one config key)")
     for dest, key in FLAG_KEYS.items():
         old.add_argument(_flag(dest), dest=dest, default=None, metavar="VALUE", help=key)
+    rec = p.add_argument_group("recommended settings (public rules: fedpower_app/privacy/recommend.py)")
+    rec.add_argument("--recommend", action="store_true",
+                     help="print the b, L, T, sigma, clip and lr the rules choose for these silos, dp.epsilon and "
+                          "dp.delta, and why (what fedpower-run --set train.auto=true runs)")
+    budget = rec.add_mutually_exclusive_group()
+    budget.add_argument("--epochs", type=float, default=None,
+                        help="compute budget: epochs of the smallest silo (default: config key train.epochs)")
+    budget.add_argument("--minutes", type=float, default=None,
+                        help="compute budget: minutes of training, with --rows-per-second")
+    rec.add_argument("--rows-per-second", type=float, default=None,
+                     help="with --minutes: rows one silo trains per second under DP-SGD (measured on a short run)")
     out = p.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print one JSON object")
     out.add_argument("--every", type=int, default=10, help="trajectory print stride (default 10)")
@@ -472,6 +483,40 @@ def to_json(res: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def recommend_main(args) -> int:
+    """``--recommend``: the plan of the public rules, or the refusal with what would fit (exit 2)."""
+    from fedpower_app.privacy.recommend import PlanRefused, epochs_for_minutes, recommend, render as render_plan
+
+    try:
+        cfg, _origin = load_config(args)
+        sizes, n_silos, source = client_sizes(args, cfg)
+        if sizes is None:
+            raise ConfigError("--recommend needs the silos' shard sizes: pass --client-sizes n1,n2,... (what the "
+                              "silos answer the size query) or --dataset-size N")
+        if args.minutes is not None:
+            if args.rows_per_second is None:
+                raise ConfigError("--minutes needs --rows-per-second (rows one silo trains per second)")
+            epochs = epochs_for_minutes(args.minutes, args.rows_per_second, sizes)
+        elif args.rows_per_second is not None:
+            raise ConfigError("--rows-per-second goes with --minutes")
+        else:
+            epochs = cfg["train.epochs"] if args.epochs is None else args.epochs
+        plan = recommend(sizes, cfg["dp.epsilon"], cfg["dp.delta"], epochs=epochs, accountant=cfg["dp.accountant"])
+    except PlanRefused as exc:
+        print(f"fedpower-privacy: refused: {exc}", file=sys.stderr)
+        return 2
+    except ValueError as exc:
+        print(f"fedpower-privacy: error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({"sizes": sizes, "sizes_source": source, **plan.to_dict(),
+                          "overrides": plan.overrides(train_head=cfg["model.train-head"])}))
+    else:
+        print(f"silos: {source}, sizes {min(sizes)}..{max(sizes)}, total {sum(sizes)}")
+        print(render_plan(plan))
+    return 0
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     try:
@@ -481,6 +526,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     except SystemExit as e:  # --help
         return int(e.code or 0)
+    if args.recommend:
+        return recommend_main(args)
     try:
         if args.every <= 0:
             raise ValueError(f"--every must be a positive integer, got {args.every}")

@@ -94,6 +94,14 @@ class ResultsWriter:
             "final_epsilon": self._final_epsilon(rounds),
             "wall_seconds": time.time() - self.started,
         }
+        last = evals[-1] if evals else {}
+        for key in ("macro-f1", "balanced-accuracy", "majority-accuracy", "majority-macro-f1"):
+            if key in last:  # the metrics beside accuracy (fedpower_app.training.metrics)
+                self.data["totals"]["final_" + key.replace("-", "_")] = last[key]
+        lead = (self.data.get("config") or {}).get("task.metric", "accuracy")
+        if lead in last:  # what task.metric leads with
+            self.data["totals"]["lead_metric"] = lead
+            self.data["totals"]["final_lead_metric"] = last[lead]
         for key in self.withheld:
             self.data["totals"][key] = self.WITHHELD
 

@@ -15,7 +15,8 @@ and noises the same per-example gradients of the same trainable tensors.
 How: ``prefix_skipped(model, k)`` swaps, for the duration of a step, the embeddings for a
 pass-through and the encoder's layer list for its layers k and up, then calls the unchanged Hugging
 Face forward with ``inputs_embeds`` = the cached hidden states. Supported: encoders with
-``embeddings`` and ``encoder.layer`` (BERT, RoBERTa, ELECTRA, MiniLM).
+``embeddings`` and ``encoder.layer`` (BERT, RoBERTa, ELECTRA, DeBERTa, MiniLM) or
+``transformer.layer`` (DistilBERT).
 """
 
 from __future__ import annotations
@@ -29,17 +30,28 @@ import torch
 
 from ..data.pipeline import SiloRows
 
-_LAYER = re.compile(r"(?:^|\.)encoder\.layer\.(\d+)\.")
+_LAYER = re.compile(r"(?:^|\.)(?:encoder|transformer)\.layer\.(\d+)\.")
+#: Where an encoder keeps its layer stack: ``encoder.layer`` (BERT, RoBERTa, ELECTRA, DeBERTa) or
+#: ``transformer.layer`` (DistilBERT).
+_STACKS = ("encoder", "transformer")
+
+
+def _stack(owner):
+    """The module whose ``layer`` is the encoder's list of layers."""
+    for attr in _STACKS:
+        stack = getattr(owner, attr, None)
+        if isinstance(getattr(stack, "layer", None), torch.nn.ModuleList):
+            return stack
+    return None
 
 
 def _encoder_owner(model):
-    """The submodule holding ``embeddings`` and ``encoder.layer`` (e.g. PEFT -> ... -> ``bert``)."""
+    """The submodule holding ``embeddings`` and the layer stack (e.g. PEFT -> ... -> ``bert``)."""
     for module in model.modules():
-        encoder = getattr(module, "encoder", None)
-        if hasattr(module, "embeddings") and isinstance(getattr(encoder, "layer", None), torch.nn.ModuleList):
+        if hasattr(module, "embeddings") and _stack(module) is not None:
             return module
-    raise ValueError("train.cache-frozen needs an encoder with `embeddings` and `encoder.layer` "
-                     "(BERT, RoBERTa, ELECTRA, MiniLM); this model has neither")
+    raise ValueError("train.cache-frozen needs an encoder with `embeddings` and `encoder.layer` or "
+                     "`transformer.layer` (BERT, RoBERTa, ELECTRA, DeBERTa, DistilBERT, MiniLM); this model has neither")
 
 
 def lowest_adapted_layer(model) -> int:
@@ -59,14 +71,14 @@ def lowest_adapted_layer(model) -> int:
     if lowest is None:
         # Only modules above the encoder train (the head, the pooler): cache the whole encoder.
         owner = _encoder_owner(model)
-        return len(owner.encoder.layer)
+        return len(_stack(owner).layer)
     return lowest
 
 
 class _PassThrough(torch.nn.Module):
     """Stands in for the embeddings: the cached hidden states come in as ``inputs_embeds``."""
 
-    def forward(self, input_ids=None, inputs_embeds=None, **kwargs):
+    def forward(self, input_ids=None, inputs_embeds=None, *args, **kwargs):  # DistilBERT adds position_ids
         if inputs_embeds is None:
             raise RuntimeError("a prefix-skipped model needs the cached hidden states as inputs_embeds")
         return inputs_embeds
@@ -77,27 +89,29 @@ def prefix_skipped(model, layer: int):
     """Within the block, ``model(inputs_embeds=h, attention_mask=m, labels=y)`` runs encoder layers
     ``layer`` and up on ``h`` (the output of layer ``layer - 1``), then the pooler and the head."""
     owner = _encoder_owner(model)
-    embeddings, layers = owner.embeddings, owner.encoder.layer
+    stack = _stack(owner)
+    embeddings, layers = owner.embeddings, stack.layer
     owner.embeddings = _PassThrough()
-    owner.encoder.layer = torch.nn.ModuleList(list(layers)[layer:])
+    stack.layer = torch.nn.ModuleList(list(layers)[layer:])
     try:
         yield model
     finally:
         owner.embeddings = embeddings
-        owner.encoder.layer = layers
+        stack.layer = layers
 
 
 @torch.no_grad()
 def _prefix_hidden(model, batch: dict, layer: int) -> torch.Tensor:
     """The output of encoder layer ``layer - 1`` (eval mode) for a tokenized batch."""
     owner = _encoder_owner(model)
-    keep = owner.encoder.layer
-    owner.encoder.layer = torch.nn.ModuleList(list(keep)[:layer])
+    stack = _stack(owner)
+    keep = stack.layer
+    stack.layer = torch.nn.ModuleList(list(keep)[:layer])
+    extra = {"token_type_ids": batch["token_type_ids"]} if batch.get("token_type_ids") is not None else {}
     try:
-        out = owner(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                    token_type_ids=batch.get("token_type_ids"))
+        out = owner(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], **extra)
     finally:
-        owner.encoder.layer = keep
+        stack.layer = keep
     return out.last_hidden_state
 
 

@@ -351,12 +351,16 @@ def _train_steps(model, data: TokenizedSplit, *, steps: int, batch_size: int, lr
 def evaluate(model, data: TokenizedSplit, *, batch_size: int, device: torch.device | None = None,
              logits_out: list | None = None, precision: str = "auto") -> dict[str, float]:
     """Accuracy and mean cross-entropy on a split, at ``precision`` (``train.precision``: the same
-    as training). ``device``: the model's (default). ``logits_out``, if given, receives the logits
-    (float32, CPU) batch by batch."""
+    as training), with macro-F1, balanced accuracy and the majority-class baseline (``metrics``).
+    ``device``: the model's (default). ``logits_out``, if given, receives the logits (float32, CPU)
+    batch by batch."""
+    from .metrics import confusion, scores
+
     model.eval()
     device = next(model.parameters()).device if device is None else torch.device(device)
     correct = torch.zeros((), dtype=torch.long, device=device)
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    matrix = None
     n = len(data)
     for start in range(0, n, batch_size):
         idx = torch.arange(start, min(n, start + batch_size))
@@ -368,4 +372,7 @@ def evaluate(model, data: TokenizedSplit, *, batch_size: int, device: torch.devi
             logits_out.append(logits.detach().cpu())
         loss_sum += torch.nn.functional.cross_entropy(logits, batch["labels"], reduction="sum").double()
         correct += (logits.argmax(-1) == batch["labels"]).sum()
-    return {"accuracy": int(correct) / max(n, 1), "loss": float(loss_sum) / max(n, 1), "num-examples": n}
+        counts = confusion(logits.argmax(-1), batch["labels"], logits.shape[-1])
+        matrix = counts if matrix is None else matrix + counts
+    extra = {k: v for k, v in scores(matrix).items() if k != "accuracy"} if matrix is not None else {}
+    return {"accuracy": int(correct) / max(n, 1), "loss": float(loss_sum) / max(n, 1), "num-examples": n, **extra}

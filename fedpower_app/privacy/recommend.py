@@ -1,0 +1,182 @@
+"""Private settings for a new task, by public rules (no tuning, no privacy spent).
+
+Input: the silos' shard sizes n_1..n_N (public: the size query answers them, or ``fedpower-privacy
+--client-sizes``), the target (ε, δ), and a compute budget in epochs (or minutes at a measured
+rate). Output: the batch b per silo, the local steps L, the rounds T, the noise multiplier σ, the
+clip C and the learning rate, for DP-SGD on the silos. The rules read only those inputs: they see no
+row and no statistic of one, so choosing by them spends no privacy.
+
+The rules, and the SST-2 measurements they come from (RESULTS.md, the private SST-2 recipe; it is
+``conf/sst2-dp.toml``: 6 silos of 11,000 rows, b = 1,000, L = 4, T = 14, lr 0.0175, ε 8 → σ 0.845):
+
+1. **A fixed number of epochs** E (default 5, the recipe's 5.1). More epochs at the same ε buy
+   more steps with more noise each; the recipe's 5 epochs beat its 1- and 17-epoch pilots.
+2. **Sampling rate q = b / n_min near the recipe's 0.09, and the batch summed over silos in the
+   thousands** (N·b ≥ 1,000): the recipe learned at N·b = 6,000, the small-batch pilots (b = 250)
+   trailed it. So b = max(round(0.09 · n_min), ⌈1,000 / N⌉), at most n_min / 2 (q ≤ 0.5: a step
+   must leave most of the shard out, or subsampling amplifies nothing).
+3. **Steps from the epochs**: the smallest silo sees E epochs in S = ⌈E / q⌉ steps, L = 4 local
+   steps a round (the recipe's; fewer when S is small), T = ⌈S / L⌉ rounds.
+4. **σ** is calibrated by the silo accountant (RDP) for (q, L·T, ε, δ): the same function the run uses.
+5. **The clip at or below the median per-example norm**: at the initial adapters (MiniLM, LoRA
+   r = 8) the per-example gradient norms bunch at 0.031 / 0.037 / 0.044 (10/50/90 %), clipping
+   lower changed nothing measurable; C = 0.035 (and the head's clip the same when it trains). The
+   norms are those of the public model at its public initialisation, not of private rows.
+6. **The learning rate scaled with the batch**: Adam's square-root rule (Malladi et al. 2022, "On
+   the SDEs and scaling rules for adaptive gradient algorithms"), lr = 0.0175 · √(N·b / 6,000)
+   from the recipe's rate at its summed batch.
+
+Refusal: a plan whose σ exceeds :data:`MAX_NOISE_MULTIPLIER` is refused, with what would fit: the
+smallest ε at these epochs, and the most epochs at this ε.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from .accounting.silo import calibrate_noise_multiplier
+
+#: The SST-2 recipe the rules are anchored on (conf/sst2-dp.toml).
+RECIPE_EPOCHS = 5.0
+RECIPE_RATE = 0.09  # b / n = 1,000 / 11,000
+RECIPE_LOCAL_STEPS = 4
+RECIPE_LR = 0.0175
+RECIPE_SUMMED_BATCH = 6000  # 6 silos x 1,000
+MIN_SUMMED_BATCH = 1000
+MAX_RATE = 0.5
+#: The median per-example gradient norm at the initial adapters, rounded down (RESULTS.md).
+CLIP = 0.035
+#: Above this noise multiplier each step adds the noise of many clipped gradients per example in
+#: the batch; the recipe learned at 0.845. Plans above it are refused as out of reach.
+MAX_NOISE_MULTIPLIER = 4.0
+
+
+class PlanRefused(ValueError):
+    """No plan within the rules; the message says what would fit."""
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    batch_size: int
+    local_steps: int
+    rounds: int
+    noise_multiplier: float
+    clip: float
+    lr: float
+    sample_rate: float
+    epochs: float
+    summed_batch: int
+    epsilon: float
+    delta: float
+    reasons: tuple[str, ...]
+
+    def overrides(self, *, train_head: bool = False) -> dict:
+        """The run-config keys that carry the plan. σ is not among them: the run calibrates it from
+        dp.epsilon with the same accountant (and a non-private run at the same compute ignores it)."""
+        out = {"train.batch-size": self.batch_size, "train.local-steps": self.local_steps,
+               "num-server-rounds": self.rounds, "train.lr": self.lr, "dp.clip": self.clip}
+        if train_head:
+            out["dp.head-clip"] = self.clip
+        return out
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def epochs_for_minutes(minutes: float, rows_per_second: float, sizes: list[int]) -> float:
+    """Epochs of the smallest silo that ``minutes`` of training buy, each silo processing
+    ``rows_per_second`` (silos train in parallel; every silo draws the same b per step)."""
+    if not (minutes > 0 and rows_per_second > 0):
+        raise ValueError(f"minutes and rows per second must be > 0, got {minutes}, {rows_per_second}")
+    return minutes * 60.0 * rows_per_second / min(sizes)
+
+
+def _steps(epochs: float, q: float) -> tuple[int, int, int]:
+    steps = max(1, math.ceil(epochs / q - 1e-9))
+    local = min(RECIPE_LOCAL_STEPS, steps)
+    rounds = math.ceil(steps / local)
+    return steps, local, rounds
+
+
+def recommend(sizes: list[int], epsilon: float, delta: float, *, epochs: float = RECIPE_EPOCHS,
+              accountant: str = "rdp") -> Recommendation:
+    """The plan of the rules (module docstring) for silos of ``sizes``; raises :class:`PlanRefused`."""
+    sizes = [int(n) for n in sizes]
+    if not sizes or any(n < 2 for n in sizes):
+        raise ValueError(f"every silo needs at least 2 rows, got sizes {sizes}")
+    if not (epsilon > 0 and 0 < delta < 1 and epochs > 0):
+        raise ValueError(f"need epsilon > 0, 0 < delta < 1 and epochs > 0, got {epsilon}, {delta}, {epochs}")
+    n_min, silos = min(sizes), len(sizes)
+    b_rate = round(RECIPE_RATE * n_min)
+    b_sum = math.ceil(MIN_SUMMED_BATCH / silos)
+    b = max(1, min(max(b_rate, b_sum), n_min // 2))
+    q = b / n_min
+    steps, local, rounds = _steps(epochs, q)
+    sigma = calibrate_noise_multiplier(q, local * rounds, epsilon, delta, accountant)
+    reasons = [
+        f"epochs E = {epochs:g} of the smallest silo ({n_min} rows)",
+        f"b = {b}: max(0.09 x n_min = {b_rate}, 1,000 summed over {silos} silos = {b_sum}), at most n_min/2; "
+        f"q = b/n_min = {q:.4f}, summed batch {silos * b}",
+        f"S = ceil(E/q) = {steps} steps: L = {local} local steps x T = {rounds} rounds",
+        f"sigma = {sigma:.4f}: calibrated for q, L*T = {local * rounds} steps, epsilon {epsilon:g}, delta {delta:g} ({accountant})",
+        f"clip C = {CLIP}: at or below the median per-example norm at the initial adapters (0.037 on SST-2)",
+        f"lr = 0.0175 x sqrt({silos * b} / 6000) = {RECIPE_LR * math.sqrt(silos * b / RECIPE_SUMMED_BATCH):.4g} "
+        "(Adam's square-root rule from the SST-2 recipe)",
+    ]
+    if sigma > MAX_NOISE_MULTIPLIER:
+        raise PlanRefused(_refusal(sizes, epsilon, delta, epochs, q, sigma, accountant))
+    return Recommendation(batch_size=b, local_steps=local, rounds=rounds, noise_multiplier=sigma, clip=CLIP,
+                          lr=round(RECIPE_LR * math.sqrt(silos * b / RECIPE_SUMMED_BATCH), 6), sample_rate=q,
+                          epochs=epochs, summed_batch=silos * b, epsilon=epsilon, delta=delta,
+                          reasons=tuple(reasons))
+
+
+def _refusal(sizes, epsilon, delta, epochs, q, sigma, accountant) -> str:
+    from .accounting.silo import dp_sgd_epsilon
+
+    _, local, rounds = _steps(epochs, q)
+    eps_fit = dp_sgd_epsilon([(q, MAX_NOISE_MULTIPLIER, local * rounds)], delta, accountant)
+    lo, hi = 0.0, epochs  # the most epochs at this epsilon: bisection on sigma(E) <= MAX
+    for _ in range(30):
+        mid = (lo + hi) / 2
+        _, lm, rm = _steps(mid, q) if mid > 0 else (1, 1, 1)
+        if mid > 0 and dp_sgd_epsilon([(q, MAX_NOISE_MULTIPLIER, lm * rm)], delta, accountant) <= epsilon:
+            lo = mid
+        else:
+            hi = mid
+    fits = f"at most {lo:.2g} epochs at epsilon {epsilon:g}" if lo * 1 / q >= 1 else "no epochs at this epsilon"
+    return (f"epsilon {epsilon:g} is too small for {epochs:g} epochs on silos of {min(sizes)}..{max(sizes)} rows: it "
+            f"needs sigma {sigma:.2f} > {MAX_NOISE_MULTIPLIER:g}; what would fit: epsilon >= {eps_fit:.3g} at "
+            f"{epochs:g} epochs, or {fits}")
+
+
+def render(rec: Recommendation) -> str:
+    lines = [f"recommended (epsilon {rec.epsilon:g}, delta {rec.delta:g}; public rules, no privacy spent):",
+             f"  train.batch-size = {rec.batch_size}   train.local-steps = {rec.local_steps}   "
+             f"num-server-rounds = {rec.rounds}",
+             f"  noise multiplier sigma = {rec.noise_multiplier:.4f}   dp.clip = {rec.clip}   train.lr = {rec.lr:g}",
+             "why:"] + [f"  - {r}" for r in rec.reasons]
+    sets = " ".join(f"--set {k}={v!r}" if isinstance(v, str) else f"--set {k}={v}"
+                    for k, v in rec.overrides().items() if k.startswith(("train.", "num-", "dp.clip")))
+    lines.append(f"run it: fedpower-run --set train.auto=true (or {sets})")
+    return "\n".join(lines)
+
+
+def auto_settings(cfg, sizes: list[int], explicit=()) -> tuple[dict, list[str]]:
+    """``train.auto``: the plan's run-config keys for a run of ``cfg`` over silos of ``sizes`` (a key
+    in ``explicit``, set by hand, is kept), and the lines that say what was chosen and why. A
+    non-private run gets the same compute (b, L, T, lr) as the private one at dp.epsilon would."""
+    if cfg.dp_enabled and not (cfg["dp.level"] == "sample" and cfg["dp.noise-at"] == "silo"):
+        raise ValueError("train.auto plans DP-SGD on the silos: it needs dp.level = 'sample' and dp.noise-at = 'silo' "
+                         "(or dp.level = 'none' for the non-private run at the same compute)")
+    plan = recommend(sizes, cfg["dp.epsilon"], cfg["dp.delta"], epochs=cfg["train.epochs"],
+                     accountant=cfg["dp.accountant"])
+    chosen = plan.overrides(train_head=cfg["model.train-head"])
+    kept = {k: cfg[k] for k in chosen if k in explicit}
+    settings = {k: v for k, v in chosen.items() if k not in explicit}
+    lines = [f"train.auto: {', '.join(f'{k}={v}' for k, v in settings.items())}"
+             + (f" (kept as set: {', '.join(f'{k}={v}' for k, v in kept.items())})" if kept else "")
+             + ("" if cfg.dp_enabled else f" -- the compute of the private plan at epsilon {cfg['dp.epsilon']:g}")]
+    lines += [f"train.auto: {r}" for r in plan.reasons]
+    return settings, lines

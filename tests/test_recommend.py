@@ -1,0 +1,104 @@
+"""Private settings that transfer: the public rules' plan for given shard sizes, ε, δ and a compute
+budget (``fedpower_app.privacy.recommend``), ``fedpower-privacy --recommend``, its refusal of an ε
+too small for the budget (with what would fit), and ``train.auto`` in ``fedpower-run``."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from fedpower_app.config import parse_config
+from fedpower_app.privacy.accounting.silo import dp_sgd_epsilon
+from fedpower_app.privacy.recommend import (CLIP, MAX_NOISE_MULTIPLIER, PlanRefused, auto_settings,
+                                            epochs_for_minutes, recommend)
+
+
+def test_the_sst2_sizes_give_back_the_sst2_recipe():
+    plan = recommend([11225] * 6, 8.0, 1e-5)
+    assert (plan.batch_size, plan.local_steps, plan.rounds) == (1010, 4, 14)  # the recipe: b 1,000, L 4, T 14
+    assert plan.noise_multiplier == pytest.approx(0.845, abs=0.02) and plan.lr == pytest.approx(0.0175, rel=0.01)
+    assert plan.clip == CLIP
+
+
+def test_small_silos_keep_the_epochs_and_a_summed_batch_in_the_thousands():
+    sizes = [1667, 1667, 1667, 1667, 1666, 1666]  # the MNLI / QQP samples: 10,000 rows over 6 silos
+    plan = recommend(sizes, 8.0, 1e-5)
+    q = plan.batch_size / min(sizes)
+    assert plan.summed_batch == 6 * plan.batch_size >= 1000 and q == pytest.approx(plan.sample_rate)
+    epochs = plan.local_steps * plan.rounds * q
+    assert 5.0 <= epochs < 5.0 + plan.local_steps * q  # E epochs, rounded up to whole rounds
+    assert plan.lr == pytest.approx(0.0175 * math.sqrt(plan.summed_batch / 6000), rel=1e-4)
+    # sigma is the accountant's: the plan spends exactly the target
+    eps = dp_sgd_epsilon([(q, plan.noise_multiplier, plan.local_steps * plan.rounds)], 1e-5)
+    assert eps == pytest.approx(8.0, rel=2e-3) and eps <= 8.0 * (1 + 1e-9)
+    # more epochs: more steps at the same rate
+    longer = recommend(sizes, 8.0, 1e-5, epochs=10)
+    assert longer.batch_size == plan.batch_size and longer.rounds > plan.rounds
+    assert longer.noise_multiplier > plan.noise_multiplier
+
+
+def test_a_budget_in_minutes():
+    assert epochs_for_minutes(10, 20, [2000, 4000]) == pytest.approx(10 * 60 * 20 / 2000)
+    with pytest.raises(ValueError):
+        epochs_for_minutes(0, 20, [100])
+
+
+def test_an_epsilon_too_small_for_the_budget_is_refused_with_what_would_fit():
+    with pytest.raises(PlanRefused) as info:
+        recommend([1667] * 6, 0.2, 1e-5)
+    message = str(info.value)
+    assert "epsilon 0.2 is too small for 5 epochs" in message and f"> {MAX_NOISE_MULTIPLIER:g}" in message
+    fit = float(message.split("epsilon >= ")[1].split(" ")[0])
+    assert fit > 0.2
+    assert recommend([1667] * 6, fit * 1.01, 1e-5).noise_multiplier <= MAX_NOISE_MULTIPLIER  # it does fit
+    most = message.split(", or ")[1]
+    assert most.startswith("at most") and "epochs at epsilon 0.2" in most
+    epochs = float(most.split()[2])
+    assert recommend([1667] * 6, 0.2, 1e-5, epochs=epochs * 0.95).noise_multiplier <= MAX_NOISE_MULTIPLIER
+    for bad in ([], [1, 5]):
+        with pytest.raises(ValueError):
+            recommend(bad, 8.0, 1e-5)
+
+
+def test_fedpower_privacy_recommend(capsys):
+    from fedpower_app.privacy.cli import main
+
+    assert main(["--recommend", "--client-sizes", "1667,1667,1667,1667,1666,1666", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["batch_size"] == 167 and out["overrides"]["train.batch-size"] == 167 and out["sizes"][0] == 1667
+    assert main(["--recommend", "--client-sizes", "900,1200", "--epsilon", "3", "--epochs", "2"]) == 0
+    text = capsys.readouterr().out
+    assert "recommended (epsilon 3, delta 1e-05" in text and "why:" in text and "train.auto=true" in text
+    assert main(["--recommend", "--client-sizes", "1667,1667", "--epsilon", "0.05"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fedpower-privacy: refused: epsilon 0.05 is too small") and "what would fit" in err
+    assert main(["--recommend", "--client-sizes", "1667,1667", "--minutes", "5"]) == 2
+    assert "--minutes needs --rows-per-second" in capsys.readouterr().err
+
+
+def test_train_auto_fills_the_plan_and_keeps_what_was_set(tmp_path, capsys):
+    from fedpower_app.launcher.cli import resolve_auto
+
+    from .test_text_task import review_rows, write
+
+    data = tmp_path / "data"
+    write(data / "train.csv", review_rows(600))
+    write(data / "validation.csv", review_rows(50, 2))
+    base = {"task.name": "text", "task.data-dir": str(data), "task.text-column": "review",
+            "task.label-column": "sentiment", "task.labels": "negative,positive", "train.auto": True,
+            "dp.noise-at": "silo", "train.lr": 0.5}
+    out = resolve_auto(dict(base), {"train.lr"}, app_dir=tmp_path, num_supernodes=3)
+    plan = recommend([200, 200, 200], 8.0, 1e-5)
+    assert out["train.batch-size"] == plan.batch_size and out["num-server-rounds"] == plan.rounds
+    assert out["train.lr"] == 0.5  # set by hand: kept
+    said = capsys.readouterr().out
+    assert "fedpower-run: train.auto: train.batch-size=" in said and "kept as set: train.lr=0.5" in said
+    parse_config(out)
+    assert resolve_auto({"train.lr": 0.1}, set(), app_dir=tmp_path, num_supernodes=3) == {"train.lr": 0.1}
+    cfg = parse_config({**base, "dp.level": "none"})  # non-private: the same compute as the private plan
+    settings, lines = auto_settings(cfg, [200, 200, 200])
+    assert settings["train.batch-size"] == plan.batch_size and "the compute of the private plan" in lines[0]
+    with pytest.raises(ValueError, match="DP-SGD on the silos"):
+        auto_settings(parse_config({**base, "dp.noise-at": "server"}), [200, 200, 200])
