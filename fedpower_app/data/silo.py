@@ -133,14 +133,7 @@ def read_silo_task(task: str, data_dir: str | Path) -> TaskData:
 def load_own_task(task: str, data_dir: str, *, max_train: int = 0, max_eval: int = 0, seed: int = 0) -> TaskData:
     """:func:`read_silo_task`, capped like a shared set (``task.max-train``, ``task.max-eval``) and
     cached per process (in a deployment every message is a fresh process: files are re-read)."""
-    data = read_silo_task(task, data_dir)
-    if max_train or max_eval:
-        from .glue import subsample_examples
-
-        data = dataclasses.replace(
-            data, train=subsample_examples(data.train, max_train or None, seed, "train"),
-            eval_splits={s: subsample_examples(e, max_eval or None, seed, s) for s, e in data.eval_splits.items()})
-    return data
+    return _capped(read_silo_task(task, data_dir), max_train, max_eval, seed)
 
 
 def read_silo_text_task(spec, data_dir: str | Path) -> TaskData:
@@ -163,7 +156,11 @@ def read_silo_text_task(spec, data_dir: str | Path) -> TaskData:
 @lru_cache(maxsize=4)
 def load_own_text_task(spec, data_dir: str, *, max_train: int = 0, max_eval: int = 0, seed: int = 0) -> TaskData:
     """:func:`read_silo_text_task`, capped and cached as :func:`load_own_task`."""
-    data = read_silo_text_task(spec, data_dir)
+    return _capped(read_silo_text_task(spec, data_dir), max_train, max_eval, seed)
+
+
+def _capped(data: TaskData, max_train: int, max_eval: int, seed: int) -> TaskData:
+    """``data`` cut like a shared set (``task.max-train``, ``task.max-eval``; 0 = all)."""
     if max_train or max_eval:
         from .glue import subsample_examples
 
