@@ -604,6 +604,18 @@ def test_cell_metrics_and_curve():
     assert [p[0] for p in X.curve(data)] == [0, 1, 3] and X.curve(data)[-1][1] == 7200.0
 
 
+def test_metrics_beside_accuracy_are_not_evaluation_splits():
+    """A round row carries balanced-accuracy and majority-accuracy beside the splits' accuracy:
+    the grid's tables keep one column per split."""
+    row = {"accuracy": 0.7, "loss": 0.5, "validation-accuracy": 0.7, "validation-loss": 0.5,
+           "balanced-accuracy": 0.66, "majority-accuracy": 0.51, "macro-f1": 0.65}
+    assert X.eval_splits_of({"rounds": [row]}) == ["validation"]
+    data = fake_results([0.6, 0.7], bytes_round=100, agg=0.02)
+    for r in data["rounds"]:
+        r.update({"balanced-accuracy": 0.5, "majority-accuracy": 0.5})
+    assert X.cell_metrics(data)["splits"] == ["validation"]
+
+
 def synthetic_grid(tmp_path):
     spec = X.GridSpec(tasks=["sst2", "mnli"], seeds=[0, 1, 2],
                       tables={"1": (["fedlora", "fedpower"], [None, 6.0]),

@@ -368,7 +368,10 @@ def eval_splits_of(data: dict[str, Any]) -> list[str]:
     """Evaluation split names of a run, in the order they were reported (first = primary)."""
     rows = [r for r in data.get("rounds", []) if r.get("accuracy") is not None]
     source = rows[-1] if rows else (data.get("initial_evaluation") or {})
-    return [k[: -len("-accuracy")] for k in source if k.endswith("-accuracy")]
+    # a split reports ``{name}-accuracy`` and ``{name}-loss``; ``balanced-accuracy`` and
+    # ``majority-accuracy`` (fedpower_app.training.metrics) are metrics of the first split, not splits
+    return [k[: -len("-accuracy")] for k in source
+            if k.endswith("-accuracy") and f"{k[: -len('-accuracy')]}-loss" in source]
 
 
 def cell_metrics(data: dict[str, Any]) -> dict[str, Any]:
