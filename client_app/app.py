@@ -23,6 +23,7 @@ import time
 from functools import lru_cache
 from pathlib import Path
 
+import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
@@ -349,7 +350,12 @@ def train(msg: Message, context: Context) -> Message:
                 paid.append({"key": key, "params": paid_params(params, sample_rate), "inputs": inputs})
         _save_ledger(context, ledger, paid, cfg)
     _keep_optimizer_carry(context, carry)
-    content = RecordDict({"arrays": ArrayRecord(reply_state(model, train_lora))})
+    if "secagg.request" in config:
+        # Secure aggregation: the adapters stay here; the reply is the first secure sum's keys.
+        context.state[SECURE_TRAINED_KEY] = ArrayRecord(reply_state(model, train_lora))
+        content = _secure_sum_reply(json_request=str(config["secagg.request"]), context=context)
+    else:
+        content = RecordDict({"arrays": ArrayRecord(reply_state(model, train_lora))})
     if policy.sends_metrics:
         metrics = {
             "num-examples": len(shard),
@@ -361,6 +367,48 @@ def train(msg: Message, context: Context) -> Message:
             metrics["silo-epsilon"] = ledger.epsilon()
         content["metrics"] = MetricRecord(metrics)
     return Message(content, reply_to=msg)
+
+
+SECURE_TRAINED_KEY, SECURE_STATE_KEY = "secagg-trained", "secagg-state"
+
+
+def _secure_sum_reply(context: Context, *, json_request: str | None = None, request=None) -> RecordDict:
+    """Answer one stage of a secure sum (``strategies.secure_sum.session.client_step``), keeping this
+    silo's secrets between stages in its Context.state. The vector it contributes is computed here,
+    from the adapters it trained this round, and the server's basis is checked first."""
+    from strategies.secure_rounds import pack
+    from strategies.secure_sum import contributions as SC
+    from strategies.secure_sum.session import client_step, decode
+
+    if request is None:
+        request = decode(json_request, {})
+    record = context.state.config_records.get(SECURE_STATE_KEY)
+    saved = str(record["state"]) if record is not None and request.get("stage") != "advertise_keys" else None
+
+    def input_fn(req):
+        trained = context.state.array_records.get(SECURE_TRAINED_KEY)
+        if trained is None:
+            raise ValueError("a secure sum asks for a vector, but this silo trained nothing this run")
+        state = trained.to_torch_state_dict()
+        kind = req.get("input")
+        basis = None
+        if kind in ("power-right", "power-left"):
+            basis = {m: torch.as_tensor(np.asarray(b)) for m, b in dict(req["basis"]).items()}
+            SC.check_basis(kind, basis)
+        return SC.contribution(kind, state, keys=list(req.get("keys", [])), modules=list(req.get("modules", [])),
+                               basis=basis, extras=list(req.get("extras", [])))
+
+    reply, saved = client_step(int(context.node_id), request, saved, input_fn)
+    context.state[SECURE_STATE_KEY] = ConfigRecord({"state": saved})
+    return pack(reply)
+
+
+@app.train("secagg")
+def secure_sum_stage(msg: Message, context: Context) -> Message:
+    """One stage of a secure sum the server runs after a train round (``strategies/secure_rounds.py``)."""
+    from strategies.secure_rounds import unpack
+
+    return Message(_secure_sum_reply(context, request=unpack(msg.content)), reply_to=msg)
 
 
 EVALUATE_COUNT_KEY = "evaluate-answers"

@@ -140,6 +140,12 @@ SCHEMA: dict[str, tuple[type, Callable[[Any], str | None] | None]] = {
     "dp.calibration": (str, _in(CALIBRATIONS)),
     "dp.noise": (str, _in(NOISE_MODES)),
     "dp.diagnostics": (str, _in(DIAGNOSTICS)),
+    "secagg.enabled": (bool, None),
+    "secagg.threshold": (float, lambda v: None if 0.5 < v <= 1 else "must be a fraction in (0.5, 1]"),
+    "secagg.quantization-bits": (int, lambda v: None if 16 <= v <= 62 else "must be an integer in [16, 62]"),
+    "secagg.clip-range": (float, _pos),
+    "secagg.degree": (int, lambda v: None if v == 0 or (v >= 2 and v % 2 == 0) else
+                      "must be 0 (every pair of silos) or an even integer >= 2"),
 }
 
 
@@ -345,6 +351,12 @@ def _cross_checks(v: dict[str, Any]) -> None:
         raise ConfigError("config key 'strategy.name' = 'fedsvd' is defined with DP-SGD on the silos "
                           "(dp.level = 'sample', dp.noise-at = 'silo') or without DP (dp.level = 'none'); "
                           "its server step adds no noise")
+    if v["secagg.enabled"] and (v["dp.level"] == "client" or (v["dp.level"] == "sample" and v["dp.noise-at"] == "server")):
+        raise ConfigError("config key 'secagg.enabled' = true runs where the server adds no noise: DP-SGD on the silos "
+                          "(dp.level = 'sample', dp.noise-at = 'silo') or dp.level = 'none'; with server-side noise "
+                          "the server must see each update to clip it")
+    if v["secagg.enabled"] and v["strategy.name"] in ("input-perturbation", "output-perturbation"):
+        raise ConfigError(f"config key 'secagg.enabled' = true: {v['strategy.name']} is a server-side noise mechanism")
     if v["task.validation-rows"] and v["task.train-rows"]:
         raise ConfigError("config keys 'task.validation-rows' and 'task.train-rows' are exclusive (an audit lists "
                           "its own train rows)")

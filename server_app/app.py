@@ -31,6 +31,7 @@ from strategies.engine import build_engine
 from strategies.flower import RoundReport, build_strategy, exchange
 from strategies.privacy_contract import Disclosure
 from strategies.noise import NoiseSource
+from strategies.secure_sum.session import SecureAggregation
 
 app = ServerApp()
 log = logging.getLogger("fedpower")
@@ -335,6 +336,7 @@ def engine_arguments(cfg: RunConfig, initial_state: dict, privacy, *, population
         # m = q_c N: the client-level averages divide by it (sample level: privacy.fixed_denominator)
         denominator=privacy.plan.denominator if cfg["dp.level"] == "client" else None,
         disclosure=disclosure,
+        secure_aggregation=SecureAggregation.from_config(cfg),
     )
 
 

@@ -64,6 +64,9 @@ class RoundReport:
     released: bool = True
     over_budget: int = 0  # sampled silos not sent the round: their ledger would cross the budget
     missing: list[int] = field(default_factory=list)  # silos sent the round whose reply never came (timeout, crash)
+    message_rounds: int = 1  # server-silo exchanges of the round's training (more under secure aggregation)
+    secure_clamped: float | None = None  # secure aggregation: fraction of coordinates clamped to the field's range
+    secure_refused: str | None = None  # secure aggregation: why the round's sums were refused (nothing released)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -94,6 +97,7 @@ class RoundEngine:
         refactorization: str = "powerdp-l",
         denominator: float | None = None,
         disclosure: Disclosure | None = None,
+        secure_aggregation=None,
     ) -> None:
         if not 0.0 < client_rate <= 1.0:
             raise ValueError(f"client_rate must be in (0, 1], got {client_rate}")
@@ -154,6 +158,15 @@ class RoundEngine:
             factored=factored,
             device=device,
         )
+        # Secure aggregation (strategies/secure_release.py): the server sees only sums of the replies.
+        self.secure = secure_aggregation
+        self._secure_round = None
+        if self.secure is not None:
+            from .secure_release import unsupported_reason
+
+            reason = unsupported_reason(self)
+            if reason:
+                raise ValueError(f"secagg.enabled: {reason}")
         self._sampled: list[int] = []
         self._plan: RoundPlan | None = None  # the privacy layer's plan of the current round
         self.reports: list[RoundReport] = []
@@ -214,12 +227,21 @@ class RoundEngine:
         self._plan = self.privacy.plan_round(server_round, self.round_type(server_round), sampled)
         self._sampled = list(self._plan.admitted)
         self._over_budget = self._plan.over_budget
+        if self.secure is not None:
+            from .secure_release import SecureRound
+
+            self._secure_round = SecureRound(self, server_round, self._plan.round_type, self._sampled)
         return self._plan
 
     def train_instructions(self, plan: RoundPlan) -> dict:
         """What every admitted silo is told for the round (the train message's config)."""
-        return {"server-round": plan.server_round, "round-type": plan.round_type,
-                "train-lora": "AB" if self.replies_a else "B", **plan.train_config}
+        out = {"server-round": plan.server_round, "round-type": plan.round_type,
+               "train-lora": "AB" if self.replies_a else "B", **plan.train_config}
+        if self._secure_round is not None and self._secure_round.server_round == plan.server_round:
+            request = self._secure_round.train_request()
+            if request is not None:  # keep the adapters, answer with the first secure sum's keys
+                out["secagg.request"] = request
+        return out
 
     # -- replies -------------------------------------------------------------------------------
     def update_from_state(self, tensors: dict[str, torch.Tensor]) -> AdapterUpdate:

@@ -150,6 +150,42 @@ class LoRAStrategy(RoundEngine, Strategy):
             metrics["train-loss"] = report.train_loss
         return _state_to_record(self.global_state), MetricRecord(metrics)
 
+    def aggregate_secure(self, server_round: int, replies: list[Message], grid: Grid,
+                         timeout: float | None) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """A round under secure aggregation (``strategies.secure_release``): the train replies carry
+        only the first secure sum's keys; the sums follow in ``train.secagg`` messages."""
+        from .secure_release import release_secure_round
+        from .secure_rounds import message_transport, train_reply_payloads
+
+        report = RoundReport(server_round=server_round, round_type=self.round_type(server_round),
+                             sampled=len(self._sampled), replied=len(replies),
+                             bytes_down=getattr(self, "_bytes_down", 0),
+                             over_budget=getattr(self, "_over_budget", 0))
+        losses = []
+        for msg in replies:
+            metrics = msg.content.metric_records.get("metrics") if msg.has_content() else None
+            if metrics is not None and "train-loss" in metrics:
+                losses.append(float(metrics["train-loss"]))
+        answered = {msg.metadata.src_node_id for msg in replies}
+        report.missing = [int(n) for n in self._sampled if n not in answered]
+        report.train_loss = sum(losses) / len(losses) if losses and self.disclosure.full else None
+        counters: dict = {}
+        advertised = {n: p for n, p in train_reply_payloads(replies).items() if n in self._sampled}
+        released = release_secure_round(self, report, self._secure_round,
+                                        message_transport(grid, timeout, exchange, counters), advertised)
+        report.bytes_down += counters.get("bytes_down", 0)
+        if self.disclosure.full:  # node ids and reasons are statistics of private data
+            for d in report.dropped:
+                log.warning("round %d: secure sum: dropped node %s at %s: %s", server_round, d["node"],
+                            d.get("stage", "train"), d["reason"])
+        if not released:
+            return None, None
+        metrics = {"aggregated": report.aggregated, "dropped": len(report.dropped),
+                   "message-rounds": report.message_rounds}
+        if report.train_loss is not None:
+            metrics["train-loss"] = report.train_loss
+        return _state_to_record(self.global_state), MetricRecord(metrics)
+
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
         if self.eval_fraction <= 0:
             return []
@@ -234,7 +270,10 @@ class LoRAStrategy(RoundEngine, Strategy):
             if on_round_start is not None:
                 on_round_start(server_round, list(self._sampled))
             replies = exchange(grid, messages, timeout)
-            new_arrays, train_metrics = self.aggregate_train(server_round, replies)
+            if self.secure is not None:  # the server sees only sums of the replies
+                new_arrays, train_metrics = self.aggregate_secure(server_round, replies, grid, timeout)
+            else:
+                new_arrays, train_metrics = self.aggregate_train(server_round, replies)
             if on_release is not None:
                 on_release(self.reports[-1])
             if new_arrays is not None:

@@ -48,6 +48,8 @@ NOT_RUN_CONFIG = {
     "init-args-num-cpus", "init-args-num-gpus", "init-args-logging-level", "init-args-log-to-driver",
     # grid-file keys of fedpower-experiment (a ClientApp's Ray resources), not run-config keys
     "cpus-per-client", "gpus-per-client",
+    # Flower message types of the secure-sum stages, and the train message's secure-sum request
+    "train.secagg", "secagg.request",
 }
 FILE_SUFFIX = re.compile(r"\.(tsv|csv|parquet|json|jsonl|toml|py|txt|md|pt|bin|safetensors|log|db|yaml)$")
 

@@ -104,3 +104,23 @@ def secure_power_iteration(factors: list[tuple[np.ndarray, np.ndarray]], a_prev:
         X = (P.T @ Bg) @ Ag + secure_sum([(P.T @ B) @ A for B, A in factors]) / denominator
         Q = orthonormalize_rows(t(X)).numpy()
     return P @ (X @ Q.T), Q
+
+
+def refactorize_through_sums(sum_right: Callable, sum_left: Callable, q0: dict[str, torch.Tensor],
+                             iters: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """FedPower's power iteration (``powerdp.power_iteration``, no noise) on the merge W of every
+    module, with W reached only through averaged secure sums: ``sum_right(Q)`` returns W Q^T per
+    module (m x r) for orthonormal-row bases Q (r x n), ``sum_left(P)`` returns P^T W (r x n) for
+    orthonormal-column P (m x r). ``q0``: the public random start per module. 1 + 2 ``iters`` sums;
+    returns (B = W Q^T, A = Q) per module, B A the rank-r approximation of W on the computed row
+    space, as ``power_iteration`` from the same start (up to the sums' quantization error)."""
+    if not isinstance(iters, int) or iters < 1:
+        raise ValueError(f"iters must be a positive integer, got {iters!r}")
+    Q = {m: orthonormalize_rows(q.to(torch.float64)) for m, q in q0.items()}
+    Y = sum_right(Q)
+    for _ in range(iters):
+        P = {m: orthonormalize_columns(Y[m].to(torch.float64)) for m in Q}
+        X = sum_left(P)
+        Q = {m: orthonormalize_rows(X[m].to(torch.float64)) for m in Q}
+        Y = sum_right(Q)
+    return {m: Y[m] for m in Q}, Q

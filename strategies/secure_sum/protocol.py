@@ -31,6 +31,8 @@ about who dropped needs SecAgg's consistency round (signatures); it is not imple
 
 from __future__ import annotations
 
+import base64
+import json
 import os
 from dataclasses import dataclass, field
 
@@ -87,6 +89,19 @@ class SecureSumConfig:
     def graph(self) -> dict[int, tuple[int, ...]]:
         return MK.neighbour_graph(list(self.nodes), self.effective_degree, self.graph_seed)
 
+    def to_dict(self) -> dict:
+        """The config as plain values (a message's ConfigRecord carries it)."""
+        return {"nodes": list(self.nodes), "size": self.size, "bits": self.bits, "threshold": self.threshold,
+                "degree": self.degree, "graph-seed": bytes(self.graph_seed)}
+
+    @classmethod
+    def from_dict(cls, d) -> "SecureSumConfig":
+        try:
+            return cls(nodes=tuple(int(x) for x in d["nodes"]), size=int(d["size"]), bits=int(d["bits"]),
+                       threshold=int(d["threshold"]), degree=int(d["degree"]), graph_seed=bytes(d["graph-seed"]))
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"malformed secure-sum config: {exc!r}") from None
+
 
 # -- the client -----------------------------------------------------------------------------------
 class SecureSumClient:
@@ -104,6 +119,42 @@ class SecureSumClient:
         self._seed_shares: dict[int, bytes] = {}  # shares I hold, of b_u per client u
         self._key_shares: dict[int, bytes] = {}   # shares I hold, of u's mask secret key
         self._masked_with: tuple[int, ...] = ()
+
+    # -- persistence between messages (a ClientApp keeps it in its Context.state) -------------------
+    def state_dict(self) -> str:
+        """This client's secrets and progress as a JSON string: what it must keep between stages."""
+        b64 = lambda b: base64.b64encode(bytes(b)).decode()  # noqa: E731
+        return json.dumps({
+            "node": self.node, "stage": self._stage,
+            "channel": None if self._channel is None else [b64(self._channel.secret), b64(self._channel.public)],
+            "mask_keys": None if self._mask_keys is None else [b64(self._mask_keys.secret), b64(self._mask_keys.public)],
+            "peer_keys": {str(v): [b64(c), b64(m)] for v, (c, m) in self._peer_keys.items()},
+            "self_seed": b64(self._self_seed),
+            "seed_shares": {str(u): b64(s) for u, s in self._seed_shares.items()},
+            "key_shares": {str(u): b64(s) for u, s in self._key_shares.items()},
+            "masked_with": list(self._masked_with),
+        })
+
+    @classmethod
+    def from_state_dict(cls, config: SecureSumConfig, state: str) -> "SecureSumClient":
+        d = json.loads(state)
+        unb = base64.b64decode
+        client = cls(int(d["node"]), config)
+        client._stage = int(d["stage"])
+        if d["channel"] is not None:
+            client._channel = MK.KeyPair(unb(d["channel"][0]), unb(d["channel"][1]))
+        if d["mask_keys"] is not None:
+            client._mask_keys = MK.KeyPair(unb(d["mask_keys"][0]), unb(d["mask_keys"][1]))
+        client._peer_keys = {int(v): (unb(c), unb(m)) for v, (c, m) in d["peer_keys"].items()}
+        client._self_seed = unb(d["self_seed"])
+        client._seed_shares = {int(u): unb(s) for u, s in d["seed_shares"].items()}
+        client._key_shares = {int(u): unb(s) for u, s in d["key_shares"].items()}
+        client._masked_with = tuple(int(v) for v in d["masked_with"])
+        return client
+
+    @property
+    def stage(self) -> int:
+        return self._stage
 
     def _advance(self, stage: int) -> None:
         if self._stage != stage - 1:

@@ -1,0 +1,226 @@
+"""A round under secure aggregation: the server learns only sums of the silos' vectors (Flower-free).
+
+With ``secagg.enabled`` the round engine never receives a silo's adapters. Its train message asks each
+silo to keep what it trained and to answer with the first stage of a secure sum (its public keys);
+the rest of the round is secure sums over a transport (``session.run_secure_sum``; the Flower
+adapter carries them in ``train.secagg`` messages, ``strategies/secure_rounds.py``):
+
+* **FedLoRA, FFA-LoRA, FedSVD, and FedPower's FedLoRA rounds**: one sum of the silos' trained
+  vectors (A and B, or B, and the head). The average is the sum over the k survivors divided by k,
+  and the method's release runs on it as on one reply (the average of one reply is itself; FedSVD's
+  SVD of B_avg A_g is post-processing of the average).
+* **FedPower's refactorization**: the merge W = (1/k) sum_i B_i A_i is not a sum of the factors, but
+  its power iteration needs only W Q^T = (1/k) sum_i B_i (A_i Q^T) and P^T W = (1/k) sum_i (P^T B_i) A_i
+  (``secure_sum.power``): 1 + 2 ``strategy.power-iters`` secure sums of thin matrices, the head's
+  average riding on the first. No silo sends an m x n matrix, and the server never forms W.
+
+This path adds no noise on the server, so it runs where the server adds none: non-private runs,
+and DP-SGD on the silos (``dp.level = "sample"``, ``dp.noise-at = "silo"``), where the average and
+the refactorization are post-processing of the silos' private replies. Secure aggregation then hides
+each silo's reply from the server (docs/secure-aggregation.md states what it assumes).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import numpy as np
+import torch
+
+from . import mechanisms as MECH
+from .releases import Release
+from .secure_sum import contributions as C
+from .secure_sum.power import refactorize_through_sums
+from .secure_sum.protocol import SecureSumRefused
+from .secure_sum.session import SecureAggregation, SumOutcome, Transport, encode, run_secure_sum
+
+log = logging.getLogger("fedpower")
+
+#: Round types that are post-processing of sums (no server noise): what secure aggregation can carry.
+SUM_RELEASES = ("fedlora", "ffa", "fedsvd")
+POWER_RELEASES = ("powerdp",)
+
+
+def unsupported_reason(engine) -> str | None:
+    """Why secure aggregation cannot run this engine's rounds (None: it can)."""
+    if engine.client_level or engine.privacy.noise_at == "server":
+        return ("secure aggregation runs where the server adds no noise (non-private, or DP-SGD on the silos: "
+                "dp.level = 'sample', dp.noise-at = 'silo'); with server-side noise the server would have to "
+                "see each update to clip it")
+    if engine.method_name in ("input-perturbation", "output-perturbation"):
+        return f"{engine.method_name} is a server-side noise mechanism"
+    return None
+
+
+class SecureRound:
+    """The secure sums of one round: the first is announced in the train message, the rest follow."""
+
+    def __init__(self, engine, server_round: int, round_type: str, nodes: list[int]) -> None:
+        self.engine, self.server_round, self.round_type = engine, server_round, round_type
+        self.settings: SecureAggregation = engine.secure
+        self.nodes = [int(n) for n in nodes]
+        shapes = engine.expected_reply_shapes()
+        self.keys = list(shapes)
+        if round_type in POWER_RELEASES:
+            self.kind = "power-right"
+            size = C.vector_size("power-right", shapes, engine.modules, engine.rank, engine.extras)
+        elif round_type in SUM_RELEASES:
+            self.kind = "trained"
+            size = C.vector_size("trained", shapes, engine.modules, engine.rank)
+        else:
+            raise ValueError(f"round type {round_type!r} cannot run under secure aggregation")
+        self.first = self._config(self.nodes, size) if len(self.nodes) >= 2 else None
+        self.q0 = None
+        if self.kind == "power-right":
+            # The public random start of the power iteration: the same draws, in the same order, as
+            # the release in the clear (powerdp._random_start per module group), so both agree.
+            gen = engine.noise.generator("release", server_round)
+            self.q0 = {}
+            for g in engine.ctx.groups:
+                draw = torch.randn((len(g.names), engine.rank, g.n), generator=gen, dtype=engine.ctx.dtype)
+                self.q0.update({name: draw[j] for j, name in enumerate(g.names)})
+        self.outcomes: list[SumOutcome] = []
+
+    def _config(self, nodes, size):
+        return self.settings.config_for(nodes, size, os.urandom(16))
+
+    def train_request(self) -> str | None:
+        """The first sum's stage-1 request, carried in the train message's config (JSON)."""
+        if self.first is None:
+            return None
+        public = {**self.first.to_dict(), "clip-range": float(self.settings.clip_range)}
+        return encode({"stage": "advertise_keys", "config": public})[0]
+
+    # -- the sums ------------------------------------------------------------------------------------
+    def _sum(self, transport, config, extra, advertised=None) -> SumOutcome:
+        outcome = run_secure_sum(transport, config, self.settings.quantizer(len(config.nodes)),
+                                 masked_input_extra=extra, advertised=advertised)
+        self.outcomes.append(outcome)
+        return outcome
+
+    def run(self, transport: Transport, advertised: dict) -> Release:
+        """All the round's sums and the release made from them. Raises ``SecureSumRefused``."""
+        if self.first is None:
+            raise SecureSumRefused(f"a secure sum needs at least 2 silos in the round, got {len(self.nodes)}")
+        engine = self.engine
+        if self.kind == "trained":
+            out = self._sum(transport, self.first, {"input": "trained", "keys": self.keys}, advertised)
+            mean = C.unflatten(out.total / len(out.survivors), engine.expected_reply_shapes())
+            update = engine.update_from_state(mean)  # checks shapes and finiteness; head as a delta
+            gen = engine.noise.generator("release", self.server_round)
+            release = MECH.get(self.round_type).release([update], engine.ctx, list(engine._plan.noise_stds), gen,
+                                                        engine._release_args())
+            release.num_clients = len(out.survivors)
+            return release
+        return self._power_release(transport, advertised)
+
+    def _power_release(self, transport, advertised) -> Release:
+        engine = self.engine
+        shapes = engine.expected_reply_shapes()
+        state = {"cohort": None, "first": True}
+
+        def averaged(kind, basis, extras):
+            bases = {m: b.detach().numpy().astype(np.float64) for m, b in basis.items()}
+            extra = {"input": kind, "modules": engine.modules, "basis": bases, "extras": list(extras)}
+            if state["first"]:
+                state["first"] = False
+                out = self._sum(transport, self.first, extra, advertised)
+            else:
+                size = C.vector_size(kind, shapes, engine.modules, engine.rank, extras)
+                nodes = state["cohort"]
+                if len(nodes) < 2:
+                    raise SecureSumRefused(f"only {len(nodes)} silo(s) left for the next secure sum of the round")
+                out = self._sum(transport, self._config(nodes, size), extra)
+            state["cohort"] = out.survivors  # later sums of the round run over the survivors
+            return out.total / len(out.survivors)
+
+        head = {}
+
+        def sum_right(Q):
+            extras = engine.extras if not head else []
+            vec = averaged("power-right", Q, extras)
+            at, out = 0, {}
+            for m in engine.modules:
+                rows = shapes[m + C.LORA_B][0]
+                out[m] = torch.as_tensor(vec[at: at + rows * engine.rank]).reshape(rows, engine.rank)
+                at += rows * engine.rank
+            if extras:
+                head.update(C.unflatten(vec[at:], {k: shapes[k] for k in extras}))
+            return out
+
+        def sum_left(P):
+            vec = averaged("power-left", P, [])
+            at, out = 0, {}
+            for m in engine.modules:
+                cols = shapes[m + C.LORA_A][1]
+                out[m] = torch.as_tensor(vec[at: at + engine.rank * cols]).reshape(engine.rank, cols)
+                at += engine.rank * cols
+            return out
+
+        B, A = refactorize_through_sums(sum_right, sum_left, self.q0, engine.ctx.power_iters)
+        release = Release(A={m: A[m].to(torch.float32) for m in A}, B={m: B[m].to(torch.float32) for m in B},
+                          extra_delta={k: head[k] - engine.global_state[k] for k in engine.extras})
+        release.num_clients = len(self.outcomes[0].survivors)
+        for k, v in release.extra_delta.items():
+            if not torch.isfinite(v).all():
+                raise SecureSumRefused(f"the secure sum of the head {k} is not finite")
+        return release
+
+    # -- what the round report shows ----------------------------------------------------------------
+    @property
+    def message_rounds(self) -> int:
+        return 1 + sum(o.message_rounds for o in self.outcomes)  # the train exchange carried stage 1
+
+    @property
+    def bytes_up(self) -> int:
+        return sum(o.bytes_up for o in self.outcomes)
+
+    @property
+    def clamped(self) -> float:
+        """The fraction of clamped coordinates, averaged over the sums' survivors."""
+        total = sum(o.clamped for o in self.outcomes)
+        count = sum(len(o.survivors) for o in self.outcomes)
+        return total / count if count else 0.0
+
+
+def release_secure_round(engine, report, secure_round: SecureRound, transport: Transport, advertised: dict) -> bool:
+    """Run ``secure_round``'s sums, apply the release and commit the round (as
+    ``RoundEngine.release_updates``). A refused sum releases nothing; returns whether a model was
+    released."""
+    plan = engine._plan
+    import time
+
+    t0 = time.perf_counter()
+    try:
+        release = secure_round.run(transport, advertised)
+    except (SecureSumRefused, ValueError) as exc:
+        report.released = False
+        report.aggregated = 0
+        report.secure_refused = str(exc) if engine.disclosure.full else "refused (reason withheld: dp.diagnostics)"
+        log.warning("round %d: secure aggregation refused the round, nothing released: %s", report.server_round,
+                    report.secure_refused)
+        engine.privacy.commit_round(plan, 0, released=False)
+        _fill(report, secure_round)
+        engine.finish_round(report)
+        return False
+    MECH.apply_release(engine.global_state, release)
+    engine.privacy.commit_round(plan, release.num_clients, released=True)
+    report.aggregated = release.num_clients
+    report.aggregation_seconds = time.perf_counter() - t0
+    report.noise_stds = [float(s) for s in plan.noise_stds]
+    _fill(report, secure_round)
+    if secure_round.clamped > 0:
+        log.warning("round %d: %.3g%% of the secure sums' coordinates were clamped to +-%g; raise secagg.clip-range",
+                    report.server_round, 100 * secure_round.clamped, engine.secure.clip_range)
+    engine.finish_round(report)
+    return True
+
+
+def _fill(report, secure_round: SecureRound) -> None:
+    report.message_rounds = secure_round.message_rounds
+    report.bytes_up += secure_round.bytes_up
+    report.secure_clamped = secure_round.clamped
+    if secure_round.outcomes and report.dropped is not None:
+        for o in secure_round.outcomes:
+            report.dropped.extend(o.dropped)

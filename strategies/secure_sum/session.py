@@ -1,0 +1,267 @@
+"""One secure sum over any transport: the server's driver and the client's step, Flower-free.
+
+``protocol`` has the SecAgg+ client and server as objects. Here they meet a transport:
+
+* the server's :func:`run_secure_sum` sends each stage's requests through ``transport(stage,
+  requests) -> replies`` (a Flower adapter carries them in messages: ``strategies/secure_rounds.py``;
+  tests carry them in-process), drops a malformed reply with its reason (a dropout), and returns the
+  decoded sum of the survivors' vectors, or raises ``SecureSumRefused`` with the reason;
+* the client's :func:`client_step` answers one stage, keeping its secrets between stages in a JSON
+  string the caller stores (a ClientApp keeps it in its ``Context.state``), and calls
+  ``input_fn(request)`` for its float vector at the masked-input stage.
+
+Payloads are plain dicts of ints, bytes, lists, dicts and numpy arrays; :func:`encode` and
+:func:`decode` turn one into a JSON string plus named arrays, what a message can carry.
+
+Every vector carries one more coordinate, the client's fraction of clamped coordinates (see
+``contributions``): the server learns only the sum over the survivors.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from .field import FieldQuantizer, check_bits
+from .protocol import STAGES, SecureSumClient, SecureSumConfig, SecureSumRefused, SecureSumServer
+
+
+@dataclass(frozen=True)
+class SecureAggregation:
+    """The run's secure-aggregation settings (``secagg.*`` config keys)."""
+
+    threshold: float = 0.6    # fraction of a client's share holders needed to rebuild its secrets
+    bits: int = 32            # the ring Z_{2^bits}
+    clip_range: float = 4.0   # every coordinate is clamped to [-r, r] before quantization
+    degree: int = 0           # neighbours per client (SecAgg+); 0: the complete graph
+
+    def __post_init__(self):
+        check_bits(self.bits)
+        if not (isinstance(self.threshold, (int, float)) and 0.5 < float(self.threshold) <= 1.0):
+            raise ValueError(f"secagg threshold must be a fraction in (0.5, 1], got {self.threshold!r}")
+        if not (math.isfinite(self.clip_range) and self.clip_range > 0):
+            raise ValueError(f"secagg clip range must be a finite number > 0, got {self.clip_range!r}")
+        if not (isinstance(self.degree, int) and (self.degree == 0 or (self.degree >= 2 and self.degree % 2 == 0))):
+            raise ValueError(f"secagg degree must be 0 (complete graph) or an even integer >= 2, got {self.degree!r}")
+
+    @classmethod
+    def from_config(cls, cfg) -> "SecureAggregation | None":
+        """The settings of a run config, or None when ``secagg.enabled`` is false."""
+        if not cfg["secagg.enabled"]:
+            return None
+        return cls(threshold=float(cfg["secagg.threshold"]), bits=int(cfg["secagg.quantization-bits"]),
+                   clip_range=float(cfg["secagg.clip-range"]), degree=int(cfg["secagg.degree"]))
+
+    def config_for(self, nodes: list[int], size: int, graph_seed: bytes) -> SecureSumConfig:
+        """One sum's public parameters for a cohort: t = max(majority, ceil(threshold x holders))."""
+        n = len(nodes)
+        degree = self.degree if 0 < self.degree < n - 1 else 0
+        holders = (degree if degree else n - 1) + 1
+        t = max(holders // 2 + 1, math.ceil(self.threshold * holders - 1e-9))
+        return SecureSumConfig(nodes=tuple(nodes), size=size + 1, bits=self.bits, threshold=min(t, holders),
+                               degree=degree, graph_seed=graph_seed)
+
+    def quantizer(self, num_clients: int) -> FieldQuantizer:
+        return FieldQuantizer(self.bits, float(self.clip_range), num_clients)
+
+    def error_bound(self, num_clients: int) -> float:
+        """The most the decoded sum of the cohort's vectors differs from the float sum, per coordinate."""
+        return self.quantizer(num_clients).error_bound()
+
+
+# -- payloads <-> a JSON string and named arrays ------------------------------------------------------
+def encode(payload) -> tuple[str, dict[str, np.ndarray]]:
+    arrays: dict[str, np.ndarray] = {}
+
+    def enc(obj, path):
+        if isinstance(obj, np.ndarray):
+            arrays[path] = obj
+            return {"__array__": path}
+        if isinstance(obj, (bytes, bytearray)):
+            return {"__b64__": base64.b64encode(bytes(obj)).decode()}
+        if isinstance(obj, dict):
+            return {str(k): enc(v, f"{path}/{k}") for k, v in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            return [enc(v, f"{path}/{i}") for i, v in enumerate(obj)]
+        if isinstance(obj, (np.integer,)):
+            return int(obj)
+        if isinstance(obj, (np.floating,)):
+            return float(obj)
+        return obj
+
+    return json.dumps(enc(payload, "")), arrays
+
+
+def decode(text: str, arrays: dict[str, np.ndarray]):
+    def dec(obj):
+        if isinstance(obj, dict):
+            if set(obj) == {"__array__"}:
+                return arrays[obj["__array__"]]
+            if set(obj) == {"__b64__"}:
+                return base64.b64decode(obj["__b64__"])
+            return {(int(k) if k.lstrip("-").isdigit() else k): dec(v) for k, v in obj.items()}
+        if isinstance(obj, list):
+            return [dec(v) for v in obj]
+        return obj
+
+    return dec(json.loads(text))
+
+
+# -- the server's driver -------------------------------------------------------------------------------
+Transport = Callable[[str, dict], dict]  # (stage, {node: request}) -> {node: reply or an Exception}
+
+
+@dataclass
+class SumOutcome:
+    total: np.ndarray            # the decoded float sum of the survivors' vectors (clamp coordinate removed)
+    survivors: list[int]
+    clamped: float               # the survivors' clamped fractions, summed
+    message_rounds: int
+    bytes_up: int = 0            # what the clients sent, all stages together
+    dropped: list[dict] = field(default_factory=list)  # {"node", "stage", "reason"}
+    seconds: float = 0.0
+
+
+def _payload_bytes(obj) -> int:
+    from .protocol import _nbytes
+
+    return _nbytes(obj)
+
+
+def _valid(stage: str, reply, server: SecureSumServer, node: int) -> str | None:
+    """Why a reply is unusable at ``stage`` (None: usable). Checked before the server reads it."""
+    if isinstance(reply, Exception):
+        return f"error reply: {reply}"
+    if not isinstance(reply, dict):
+        return "reply is not a payload"
+    cfg = server.config
+    try:
+        if stage == "advertise_keys":
+            if not (isinstance(reply.get("channel_key"), bytes) and isinstance(reply.get("mask_key"), bytes)):
+                return "no public keys"
+        elif stage == "share_keys":
+            sealed = reply.get("sealed_shares")
+            expected = {v for v in server.graph[node] if v in server.keys}
+            if not isinstance(sealed, dict) or {int(v) for v in sealed} != expected:
+                return "sealed shares not addressed to exactly its neighbours"
+            if not all(isinstance(c, bytes) for c in sealed.values()):
+                return "sealed shares are not bytes"
+        elif stage == "masked_input":
+            y = reply.get("masked")
+            if not (isinstance(y, np.ndarray) and y.shape == (cfg.size,) and y.dtype == np.int64
+                    and (y.size == 0 or (y.min() >= 0 and y.max() < (1 << cfg.bits)))):
+                return f"masked input is not {cfg.size} residues mod 2^{cfg.bits}"
+        elif stage == "unmask":
+            for key in ("seed_shares", "key_shares"):
+                part = reply.get(key, {})
+                if not isinstance(part, dict) or not all(isinstance(s, bytes) for s in part.values()):
+                    return f"{key} malformed"
+    except Exception as exc:  # a reply that breaks the checks themselves
+        return f"malformed reply: {exc!r}"
+    return None
+
+
+def run_secure_sum(transport: Transport, config: SecureSumConfig, quantizer: FieldQuantizer, *,
+                   masked_input_extra: dict | None = None, advertised: dict | None = None,
+                   recorder=None) -> SumOutcome:
+    """One secure sum over ``transport``. ``advertised``: stage-1 replies already in hand (the train
+    replies carry them); ``masked_input_extra``: what every client needs for its vector (the input
+    kind, the server's basis), sent with the masked-input request. Raises ``SecureSumRefused``."""
+    t0 = time.perf_counter()
+    server = SecureSumServer(config, recorder)
+    dropped: list[dict] = []
+    rounds = 0
+    bytes_up = 0
+    public = {**config.to_dict(), "clip-range": float(quantizer.clip_range)}
+
+    def collect(stage, replies):
+        nonlocal bytes_up
+        good = {}
+        for node, reply in replies.items():
+            reason = _valid(stage, reply, server, int(node))
+            if reason is None:
+                good[int(node)] = reply
+                bytes_up += _payload_bytes(reply)
+            else:
+                dropped.append({"node": int(node), "stage": stage, "reason": reason})
+        return good
+
+    def ask(stage, requests):
+        nonlocal rounds
+        rounds += 1
+        return collect(stage, transport(stage, {u: {"stage": stage, "config": public, **r} for u, r in requests.items()}))
+
+    if advertised is None:
+        advertised = ask("advertise_keys", {u: {} for u in config.nodes})
+    else:
+        advertised = collect("advertise_keys", {u: r for u, r in advertised.items() if u in config.nodes})
+    peer_keys = server.receive_keys(advertised)
+    sealed = server.receive_shares(ask("share_keys", {u: {"peer_keys": peer_keys[u]} for u in peer_keys}))
+    extra = dict(masked_input_extra or {})
+    requests = server.receive_masked(ask("masked_input", {u: {"sealed": sealed[u], **extra} for u in sealed}))
+    total, survivors = server.unmask(ask("unmask", requests))
+    decoded = quantizer.decode_sum(total, len(survivors))
+    return SumOutcome(total=decoded[:-1], survivors=survivors, clamped=float(decoded[-1]), message_rounds=rounds,
+                      bytes_up=bytes_up, dropped=dropped, seconds=time.perf_counter() - t0)
+
+
+# -- the client's step ---------------------------------------------------------------------------------
+def client_step(node: int, request: dict, saved: str | None,
+                input_fn: Callable[[dict], np.ndarray]) -> tuple[dict, str]:
+    """Answer one stage of a secure sum. ``saved``: what this client stored after its previous stage
+    of the same sum (None at the first); returns (reply, what to store now). ``input_fn(request)``
+    gives the client's float vector at the masked-input stage. Raises ``SecureSumRefused`` (or
+    ``ValueError`` on a malformed request): the caller turns it into an error reply."""
+    stage = request.get("stage")
+    if stage not in STAGES:
+        raise SecureSumRefused(f"unknown secure-sum stage {stage!r}")
+    config = SecureSumConfig.from_dict(request["config"])
+    if stage == "advertise_keys":
+        client = SecureSumClient(node, config)
+        reply = client.advertise_keys()
+    else:
+        if saved is None:
+            raise SecureSumRefused(f"stage {stage} of a secure sum this client never joined")
+        state = json.loads(saved)
+        if SecureSumConfig.from_dict(decode(state["config"], {})) != config:
+            raise SecureSumRefused(f"stage {stage} names another secure sum than the one this client joined")
+        client = SecureSumClient.from_state_dict(config, state["client"])
+        if stage == "share_keys":
+            reply = client.share_keys(request["peer_keys"])
+        elif stage == "masked_input":
+            x = np.asarray(input_fn(request), dtype=np.float64).ravel()
+            if x.shape != (config.size - 1,):
+                raise ValueError(f"this client's vector has {x.size} values, the sum expects {config.size - 1}")
+            quantizer = FieldQuantizer(config.bits, float(request["config"]["clip-range"]), len(config.nodes))
+            clamped = float(np.count_nonzero(np.abs(x) > quantizer.clip_range)) / max(1, x.size)
+            residues, _ = quantizer.encode(np.concatenate([x, [clamped]]))
+            reply = client.masked_input(request["sealed"], residues)
+        else:
+            reply = client.unmask(request["survivors"], request["dropped"])
+    config_text, _ = encode(config.to_dict())
+    return reply, json.dumps({"config": config_text, "client": client.state_dict()})
+
+
+def in_process_transport(clients: dict[int, Callable[[dict], dict]]) -> Transport:
+    """A transport that calls each client's handler in this process (tests, benchmarks), passing
+    every payload through ``encode``/``decode`` like a message would."""
+    def transport(stage, requests):
+        out = {}
+        for node, request in requests.items():
+            text, arrays = encode(request)
+            try:
+                reply = clients[node](decode(text, arrays))
+            except Exception as exc:  # the client refused: an error reply
+                out[node] = exc
+                continue
+            if reply is not None:
+                rtext, rarrays = encode(reply)
+                out[node] = decode(rtext, rarrays)
+        return out
+    return transport
