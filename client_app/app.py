@@ -328,7 +328,10 @@ def train(msg: Message, context: Context) -> Message:
     _announce_policy(context, cfg)
     ledger = None
     received = msg.content["arrays"].to_torch_state_dict()
-    if params is not None or policy.requires_dp:
+    # Distributed DP: this silo's privacy comes from the noise share it adds to every secure sum,
+    # checked against its own ledger when it computes each masked input (_secure_sum_reply).
+    distributed = params is None and _requests_noise(config)
+    if (params is not None or policy.requires_dp) and not distributed:
         # The silo's own check, before its data is touched: it trusts only its own policy and ledger.
         ledger, paid = _load_ledger(context, policy.delta, cfg["dp.accountant"], cfg)
         key = _release_key(cfg, server_round)
@@ -353,6 +356,8 @@ def train(msg: Message, context: Context) -> Message:
     if "secagg.request" in config:
         # Secure aggregation: the adapters stay here; the reply is the first secure sum's keys.
         context.state[SECURE_TRAINED_KEY] = ArrayRecord(reply_state(model, train_lora))
+        context.state[SECURE_GLOBAL_KEY] = ArrayRecord(received)  # a silo's round delta is against it
+        context.state[SECURE_PRIVATE_KEY] = ConfigRecord({"dp-sgd": ledger is not None})
         content = _secure_sum_reply(json_request=str(config["secagg.request"]), context=context)
     else:
         content = RecordDict({"arrays": ArrayRecord(reply_state(model, train_lora))})
@@ -370,6 +375,46 @@ def train(msg: Message, context: Context) -> Message:
 
 
 SECURE_TRAINED_KEY, SECURE_STATE_KEY = "secagg-trained", "secagg-state"
+SECURE_GLOBAL_KEY, SECURE_PRIVATE_KEY, SECURE_LEDGER_KEY = "secagg-global", "secagg-private", "distributed-dp-ledger"
+
+
+def _requests_noise(config) -> bool:
+    """Does a train message ask for a secure sum with noise shares (distributed DP)?"""
+    if "secagg.request" not in config:
+        return False
+    from strategies.secure_sum.session import decode
+
+    try:
+        return decode(str(config["secagg.request"]), {})["config"].get("noise") is not None
+    except Exception:  # a malformed request fails at the secure-sum stage with its reason
+        return False
+
+
+def _charge_noise_share(context: Context, request: dict) -> None:
+    """Before a masked input with a noise share leaves: this silo's own check of the release against
+    its budget, at its own k (never more than the sum's threshold less the colluders it assumes:
+    node config secagg-colluders), and its ledger charged. Refuses past its budget."""
+    from fedpower_app.privacy.accounting.distributed import epsilon_of
+    from fedpower_app.privacy.distributed import silo_release_epsilon
+    from strategies.secure_sum.distributed_dp import ORDERS
+
+    cfg = silo_run_config(context)
+    policy = policy_of(context, cfg)
+    config = request["config"]
+    colluders = max(int(context.node_config.get("secagg-colluders", 0)), int(cfg["secagg.colluders"]))
+    record = context.state.config_records.get(SECURE_LEDGER_KEY)
+    rdp = json.loads(str(record["rdp"])) if record is not None else [0.0] * len(ORDERS)
+    try:
+        new_rdp, eps = silo_release_epsilon(rdp, noise=config["noise"], dimension=int(config["size"]),
+                                            threshold=int(config["threshold"]), colluders=colluders,
+                                            delta=policy.delta)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise SiloRefusal(f"refused: malformed noise parameters ({exc})") from None
+    if eps > policy.max_epsilon * (1 + 1e-9):
+        raise SiloRefusal(f"refused: this noise share would take this silo to eps {eps:.3f} > its budget "
+                          f"{policy.max_epsilon:g} (spent {epsilon_of(rdp, policy.delta) if any(rdp) else 0.0:.3f})")
+    context.state[SECURE_LEDGER_KEY] = ConfigRecord({"rdp": json.dumps([float(x) for x in new_rdp]),
+                                                    "epsilon": float(eps)})
 
 
 def _secure_sum_reply(context: Context, *, json_request: str | None = None, request=None) -> RecordDict:
@@ -391,12 +436,26 @@ def _secure_sum_reply(context: Context, *, json_request: str | None = None, requ
             raise ValueError("a secure sum asks for a vector, but this silo trained nothing this run")
         state = trained.to_torch_state_dict()
         kind = req.get("input")
+        noise = req["config"].get("noise")
+        if noise is None:
+            # without noise shares, only adapters trained with DP-SGD may enter a sum of a silo that requires DP
+            private = context.state.config_records.get(SECURE_PRIVATE_KEY)
+            if policy_of(context, silo_run_config(context)).requires_dp and not (private and bool(private["dp-sgd"])):
+                raise SiloRefusal("refused: a secure sum without noise of adapters not trained with DP-SGD")
+        elif not str(kind).endswith("delta"):
+            raise SiloRefusal(f"refused: noise shares are defined on round deltas, not on {kind!r}")
         basis = None
-        if kind in ("power-right", "power-left"):
+        if kind in ("power-right", "power-left", "power-right-delta", "power-left-delta"):
             basis = {m: torch.as_tensor(np.asarray(b)) for m, b in dict(req["basis"]).items()}
             SC.check_basis(kind, basis)
-        return SC.contribution(kind, state, keys=list(req.get("keys", [])), modules=list(req.get("modules", [])),
-                               basis=basis, extras=list(req.get("extras", [])))
+        glob_record = context.state.array_records.get(SECURE_GLOBAL_KEY)
+        vector = SC.contribution(kind, state, keys=list(req.get("keys", [])), modules=list(req.get("modules", [])),
+                                 basis=basis, extras=list(req.get("extras", [])),
+                                 glob=glob_record.to_torch_state_dict() if glob_record is not None else None,
+                                 clip=float(noise["clip"]) if noise is not None else None)
+        if noise is not None:
+            _charge_noise_share(context, req)  # the last check before the share leaves
+        return vector
 
     reply, saved = client_step(int(context.node_id), request, saved, input_fn)
     context.state[SECURE_STATE_KEY] = ConfigRecord({"state": saved})

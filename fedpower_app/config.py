@@ -146,6 +146,7 @@ SCHEMA: dict[str, tuple[type, Callable[[Any], str | None] | None]] = {
     "secagg.clip-range": (float, _pos),
     "secagg.degree": (int, lambda v: None if v == 0 or (v >= 2 and v % 2 == 0) else
                       "must be 0 (every pair of silos) or an even integer >= 2"),
+    "secagg.colluders": (int, _nonneg),
 }
 
 
@@ -351,10 +352,20 @@ def _cross_checks(v: dict[str, Any]) -> None:
         raise ConfigError("config key 'strategy.name' = 'fedsvd' is defined with DP-SGD on the silos "
                           "(dp.level = 'sample', dp.noise-at = 'silo') or without DP (dp.level = 'none'); "
                           "its server step adds no noise")
-    if v["secagg.enabled"] and (v["dp.level"] == "client" or (v["dp.level"] == "sample" and v["dp.noise-at"] == "server")):
-        raise ConfigError("config key 'secagg.enabled' = true runs where the server adds no noise: DP-SGD on the silos "
-                          "(dp.level = 'sample', dp.noise-at = 'silo') or dp.level = 'none'; with server-side noise "
-                          "the server must see each update to clip it")
+    if v["secagg.enabled"] and v["dp.level"] == "sample" and v["dp.noise-at"] == "server":
+        raise ConfigError("config key 'secagg.enabled' = true with server-side noise at sample level: the server "
+                          "would have to see each update to clip it; use DP-SGD on the silos (dp.noise-at = 'silo') "
+                          "or client-level distributed DP (dp.level = 'client')")
+    if v["secagg.enabled"] and v["dp.level"] == "client":
+        if v["strategy.client-rate"] != 1.0:
+            raise ConfigError("config key 'secagg.enabled' = true with dp.level = 'client' (distributed DP) needs "
+                              "strategy.client-rate = 1: the server knows the cohort of a secure sum, so no "
+                              "amplification by client sampling can be claimed")
+        if v["strategy.name"] not in ("fedlora", "ffa-lora", "fedpower") or (
+                v["strategy.name"] == "fedpower" and v["strategy.client-refactorization"] != "powerdp-l"):
+            raise ConfigError("config key 'secagg.enabled' = true with dp.level = 'client' (distributed DP) runs "
+                              "fedlora, ffa-lora, or fedpower with its PowerDP-L refactorization (the default of "
+                              "strategy.client-refactorization)")
     if v["secagg.enabled"] and v["strategy.name"] in ("input-perturbation", "output-perturbation"):
         raise ConfigError(f"config key 'secagg.enabled' = true: {v['strategy.name']} is a server-side noise mechanism")
     if v["task.validation-rows"] and v["task.train-rows"]:

@@ -219,6 +219,8 @@ def progress_line(row: dict, metrics: MetricRecord | None, num_rounds: int, epsi
         clients = f"clients {row['sampled']} sent{over}; replies withheld (dp.diagnostics = off) "
     else:
         clients = "clients withheld (dp.diagnostics = off) "
+    if row.get("message_rounds", 1) > 1:
+        clients += f"| {row['message_rounds']} message rounds (secure sums) "
     timing = ((f"| round {round_seconds:.1f} s " if round_seconds is not None else "") + f"| elapsed {wall:.1f} s"
               if wall is not None else "| times withheld (secret cohort)")
     return f"[round {row['server_round']}/{num_rounds} {label or row['round_type']}] {acc} | {eps} | {clients}" + timing
@@ -334,7 +336,8 @@ def engine_arguments(cfg: RunConfig, initial_state: dict, privacy, *, population
         client_level=cfg["dp.level"] == "client",
         refactorization=cfg["strategy.client-refactorization"],
         # m = q_c N: the client-level averages divide by it (sample level: privacy.fixed_denominator)
-        denominator=privacy.plan.denominator if cfg["dp.level"] == "client" else None,
+        denominator=(getattr(privacy, "denominator", None) or privacy.plan.denominator)
+        if cfg["dp.level"] == "client" else None,
         disclosure=disclosure,
         secure_aggregation=SecureAggregation.from_config(cfg),
     )
@@ -343,7 +346,8 @@ def engine_arguments(cfg: RunConfig, initial_state: dict, privacy, *, population
 def engine_for(cfg: RunConfig, initial_state: dict, client_sizes: list[int]):
     """The Flower-free round engine of a run over silos 0..N-1 of ``client_sizes`` (benchmarks)."""
     modules, _extras = M.split_adapter_keys(initial_state)
-    privacy = build_privacy(cfg, client_sizes=client_sizes, num_modules=len(modules))
+    privacy = build_privacy(cfg, client_sizes=client_sizes, num_modules=len(modules),
+                            adapter_shapes={k: tuple(v.shape) for k, v in initial_state.items()})
     disclosure = Disclosure(private=privacy.enabled, diagnostics_released=cfg["dp.diagnostics"] == "released",
                             noise_at=privacy.noise_at, client_level=cfg["dp.level"] == "client")
     return build_engine(cfg["strategy.name"], **engine_arguments(
@@ -377,7 +381,8 @@ def _run(grid: Grid, cfg: RunConfig, run_dir: Path, results: ResultsWriter, chec
         results.set("clients", {"count": len(sizes), "dataset_sizes": sorted(sizes.values())})
         log.info("%d clients, shard sizes %s", len(sizes), describe_sizes(sizes.values()))
 
-    privacy = build_privacy(cfg, client_sizes=sizes, num_modules=len(modules))
+    privacy = build_privacy(cfg, client_sizes=sizes, num_modules=len(modules),
+                            adapter_shapes={k: tuple(v.shape) for k, v in initial_state.items()})
     results.set("privacy", privacy.describe())
     for line in privacy.summary_lines():
         log.info("%s", line)
@@ -385,6 +390,12 @@ def _run(grid: Grid, cfg: RunConfig, run_dir: Path, results: ResultsWriter, chec
     results.set("guarantee", claim)
     if privacy.enabled:
         (log.info if claim["valid"] else log.warning)("privacy: %s", claim["statement"])
+    secure = SecureAggregation.from_config(cfg)
+    if secure is not None:
+        described = secure.describe(len(sizes))
+        results.set("secure_aggregation", described)
+        log.info("secure aggregation: %s (%d-bit sums, error <= %.2g per coordinate at %d silos)",
+                 described["statement"], secure.bits, described["error_bound_per_coordinate"], len(sizes))
     disclosure = Disclosure(private=privacy.enabled, diagnostics_released=cfg["dp.diagnostics"] == "released",
                             noise_at=privacy.noise_at, client_level=client_level)
     results.withheld = disclosure.withheld_totals()

@@ -177,7 +177,8 @@ class Disclosure:
     client_level: bool = False
 
     COVERED_ROUND_FIELDS = ("server_round", "round_type", "epsilon", "noise_stds", "released")
-    SCHEDULE_FIELDS = ("sampled", "over_budget", "bytes_down")
+    # message_rounds: secure aggregation's exchanges (fixed by the config unless a sum is refused)
+    SCHEDULE_FIELDS = ("sampled", "over_budget", "bytes_down", "message_rounds")
 
     @property
     def full(self) -> bool:
@@ -187,7 +188,7 @@ class Disclosure:
         """The fields a round row may carry (None: all of them)."""
         if self.full:
             return None
-        return self.COVERED_ROUND_FIELDS + (self.SCHEDULE_FIELDS if self.noise_at == "silo" else ())
+        return self.COVERED_ROUND_FIELDS + (self.SCHEDULE_FIELDS if self.noise_at in ("silo", "distributed") else ())
 
     def round_row(self, row: dict) -> dict:
         keep = self.round_fields()
@@ -197,7 +198,7 @@ class Disclosure:
     def shows_timing(self) -> bool:
         """Per-round wall time: with noise on the server it is about proportional to the secret
         cohort's size (each sampled silo trains), so it is shown only where the cohort is not secret."""
-        return self.full or self.noise_at == "silo"
+        return self.full or self.noise_at in ("silo", "distributed")  # distributed DP: every silo, every round
 
     @property
     def shows_sizes(self) -> bool:

@@ -31,7 +31,7 @@ import torch
 from . import mechanisms as MECH
 from .releases import Release
 from .secure_sum import contributions as C
-from .secure_sum.power import refactorize_through_sums
+from .secure_sum.power import powerdp_l_through_sums, refactorize_through_sums
 from .secure_sum.protocol import SecureSumRefused
 from .secure_sum.session import SecureAggregation, SumOutcome, Transport, encode, run_secure_sum
 
@@ -40,10 +40,15 @@ log = logging.getLogger("fedpower")
 #: Round types that are post-processing of sums (no server noise): what secure aggregation can carry.
 SUM_RELEASES = ("fedlora", "ffa", "fedsvd")
 POWER_RELEASES = ("powerdp",)
+#: Client level with distributed DP: the silos clip their round deltas and add noise shares.
+DELTA_RELEASES = ("fedlora-delta", "ffa-delta")
+POWER_DELTA_RELEASES = ("powerdp-l",)
 
 
 def unsupported_reason(engine) -> str | None:
     """Why secure aggregation cannot run this engine's rounds (None: it can)."""
+    if engine.privacy.noise_at == "distributed":  # client level: the silos add the noise in the sums
+        return None
     if engine.client_level or engine.privacy.noise_at == "server":
         return ("secure aggregation runs where the server adds no noise (non-private, or DP-SGD on the silos: "
                 "dp.level = 'sample', dp.noise-at = 'silo'); with server-side noise the server would have to "
@@ -62,14 +67,17 @@ class SecureRound:
         self.nodes = [int(n) for n in nodes]
         shapes = engine.expected_reply_shapes()
         self.keys = list(shapes)
-        if round_type in POWER_RELEASES:
-            self.kind = "power-right"
-            size = C.vector_size("power-right", shapes, engine.modules, engine.rank, engine.extras)
-        elif round_type in SUM_RELEASES:
-            self.kind = "trained"
-            size = C.vector_size("trained", shapes, engine.modules, engine.rank)
-        else:
-            raise ValueError(f"round type {round_type!r} cannot run under secure aggregation")
+        distributed = engine.privacy.noise_at == "distributed"
+        self.noise = engine.privacy.noise_parameters() if distributed else None
+        kinds = ({**dict.fromkeys(DELTA_RELEASES, "delta"), **dict.fromkeys(POWER_DELTA_RELEASES, "power-right-delta")}
+                 if distributed else
+                 {**dict.fromkeys(SUM_RELEASES, "trained"), **dict.fromkeys(POWER_RELEASES, "power-right")})
+        if round_type not in kinds:
+            raise ValueError(f"round type {round_type!r} cannot run under secure aggregation"
+                             + (" with distributed DP" if distributed else ""))
+        self.kind = kinds[round_type]
+        size = C.vector_size(self.kind, shapes, engine.modules, engine.rank,
+                             engine.extras if self.kind.startswith("power-right") else ())
         self.first = self._config(self.nodes, size) if len(self.nodes) >= 2 else None
         self.q0 = None
         if self.kind == "power-right":
@@ -90,12 +98,14 @@ class SecureRound:
         if self.first is None:
             return None
         public = {**self.first.to_dict(), "clip-range": float(self.settings.clip_range)}
+        if self.noise is not None:
+            public["noise"] = dict(self.noise)
         return encode({"stage": "advertise_keys", "config": public})[0]
 
     # -- the sums ------------------------------------------------------------------------------------
     def _sum(self, transport, config, extra, advertised=None) -> SumOutcome:
         outcome = run_secure_sum(transport, config, self.settings.quantizer(len(config.nodes)),
-                                 masked_input_extra=extra, advertised=advertised)
+                                 masked_input_extra=extra, advertised=advertised, noise=self.noise)
         self.outcomes.append(outcome)
         return outcome
 
@@ -104,6 +114,10 @@ class SecureRound:
         if self.first is None:
             raise SecureSumRefused(f"a secure sum needs at least 2 silos in the round, got {len(self.nodes)}")
         engine = self.engine
+        if self.kind == "delta":
+            return self._delta_release(transport, advertised)
+        if self.kind == "power-right-delta":
+            return self._powerdp_l_release(transport, advertised)
         if self.kind == "trained":
             out = self._sum(transport, self.first, {"input": "trained", "keys": self.keys}, advertised)
             mean = C.unflatten(out.total / len(out.survivors), engine.expected_reply_shapes())
@@ -114,6 +128,75 @@ class SecureRound:
             release.num_clients = len(out.survivors)
             return release
         return self._power_release(transport, advertised)
+
+    def _delta_release(self, transport, advertised) -> Release:
+        """Client level: global + (sum of clipped deltas + the shares' noise) / m."""
+        engine = self.engine
+        out = self._sum(transport, self.first, {"input": "delta", "keys": self.keys}, advertised)
+        shapes = engine.expected_reply_shapes()
+        avg = C.unflatten(out.total / engine.denominator, shapes)
+        for k, v in avg.items():
+            if not torch.isfinite(v).all():
+                raise SecureSumRefused(f"the secure sum of {k} is not finite")
+        release = Release(extra_delta={k: avg[k] for k in engine.extras})
+        for m in engine.modules:
+            release.B[m] = engine.global_state[m + C.LORA_B] + avg[m + C.LORA_B]
+            if m + C.LORA_A in avg:
+                release.A[m] = engine.global_state[m + C.LORA_A] + avg[m + C.LORA_A]
+        release.num_clients = len(out.survivors)
+        return release
+
+    def _powerdp_l_release(self, transport, advertised) -> Release:
+        """Client level, FedPower: PowerDP-L warm-started from the public A_g, every product
+        W Q^T = B_g A_g Q^T + (sum_i dW_i Q^T + noise) / m a secure sum with the silos' noise shares."""
+        engine = self.engine
+        shapes = engine.expected_reply_shapes()
+        head: dict = {}
+        cohort = {"nodes": None}
+
+        def averaged(kind, basis, extras):
+            bases = {m: b.detach().numpy().astype(np.float64) for m, b in basis.items()}
+            extra = {"input": kind, "modules": engine.modules, "basis": bases, "extras": list(extras)}
+            if cohort["nodes"] is None:
+                out = self._sum(transport, self.first, extra, advertised)
+            else:
+                if len(cohort["nodes"]) < 2:
+                    raise SecureSumRefused(f"only {len(cohort['nodes'])} silo(s) left for the next secure sum of the round")
+                size = C.vector_size(kind, shapes, engine.modules, engine.rank, extras)
+                out = self._sum(transport, self._config(cohort["nodes"], size), extra)
+            cohort["nodes"] = out.survivors
+            return out.total / engine.denominator
+
+        def sum_right(Q):
+            extras = engine.extras if cohort["nodes"] is None else []
+            vec = averaged("power-right-delta", Q, extras)
+            at, out = 0, {}
+            for m in engine.modules:
+                rows = shapes[m + C.LORA_B][0]
+                out[m] = torch.as_tensor(vec[at: at + rows * engine.rank]).reshape(rows, engine.rank)
+                at += rows * engine.rank
+            if extras:
+                head.update(C.unflatten(vec[at:], {k: shapes[k] for k in extras}))
+            return out
+
+        def sum_left(P):
+            vec = averaged("power-left-delta", P, [])
+            at, out = 0, {}
+            for m in engine.modules:
+                cols = shapes[m + C.LORA_A][1]
+                out[m] = torch.as_tensor(vec[at: at + engine.rank * cols]).reshape(engine.rank, cols)
+                at += engine.rank * cols
+            return out
+
+        public = {m: (engine.global_state[m + C.LORA_B], engine.global_state[m + C.LORA_A]) for m in engine.modules}
+        B, A = powerdp_l_through_sums(sum_right, sum_left, public, engine.ctx.power_iters)
+        release = Release(A={m: A[m].to(torch.float32) for m in A}, B={m: B[m].to(torch.float32) for m in B},
+                          extra_delta={k: head[k] for k in engine.extras})
+        for k, v in list(release.A.items()) + list(release.B.items()) + list(release.extra_delta.items()):
+            if not torch.isfinite(v).all():
+                raise SecureSumRefused(f"the secure sums of the round are not finite ({k})")
+        release.num_clients = len(self.outcomes[0].survivors)
+        return release
 
     def _power_release(self, transport, advertised) -> Release:
         engine = self.engine
@@ -195,12 +278,14 @@ def release_secure_round(engine, report, secure_round: SecureRound, transport: T
     try:
         release = secure_round.run(transport, advertised)
     except (SecureSumRefused, ValueError) as exc:
+        report.dropped.extend(getattr(exc, "dropped", []))
         report.released = False
         report.aggregated = 0
         report.secure_refused = str(exc) if engine.disclosure.full else "refused (reason withheld: dp.diagnostics)"
         log.warning("round %d: secure aggregation refused the round, nothing released: %s", report.server_round,
                     report.secure_refused)
-        engine.privacy.commit_round(plan, 0, released=False)
+        # a sum already unmasked was released to the server (FedPower's later sums refused): charged
+        engine.privacy.commit_round(plan, 0, released=bool(secure_round.outcomes))
         _fill(report, secure_round)
         engine.finish_round(report)
         return False

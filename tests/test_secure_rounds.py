@@ -8,7 +8,7 @@ import pytest
 import torch
 from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
 
-from client_app.app import SECURE_TRAINED_KEY, _secure_sum_reply, secure_sum_stage
+from client_app.app import SECURE_GLOBAL_KEY, SECURE_TRAINED_KEY, _secure_sum_reply, secure_sum_stage
 from fedpower_app.runs.inprocess_grid import InProcessGrid
 from strategies.flower import build_strategy
 from strategies.noise import NoiseSource
@@ -58,6 +58,7 @@ def client(fail=None):
         metrics = MetricRecord({"num-examples": 10, "train-loss": 0.5})
         if "secagg.request" in config:
             context.state[SECURE_TRAINED_KEY] = ArrayRecord(state)
+            context.state[SECURE_GLOBAL_KEY] = ArrayRecord(msg.content["arrays"].to_torch_state_dict())
             content = _secure_sum_reply(context, json_request=str(config["secagg.request"]))
             content["metrics"] = metrics
             return Message(content, reply_to=msg)
@@ -73,8 +74,9 @@ def make(name, secure, **kw):
     return build_strategy(name, **base)
 
 
-def run(strategy, app, nodes=6, rounds=1):
-    grid = InProcessGrid(app, nodes)
+def run(strategy, app, nodes=6, rounds=1, node_config=None):
+    # a non-private run config: the stand-in trains without DP-SGD, which a silo would otherwise refuse
+    grid = InProcessGrid(app, nodes, run_config={"dp.level": "none"}, node_config=node_config)
     strategy.start(grid=grid, initial_arrays=ArrayRecord(strategy.global_state), num_rounds=rounds)
     return grid
 
@@ -128,7 +130,7 @@ def test_no_message_to_the_server_holds_a_silo_update():
 
 def test_fedpower_secure_power_iteration_is_the_rank_r_approximation_of_the_merge():
     s = make("fedpower", True, power_iters=30)
-    grid = InProcessGrid(client(), 6)
+    grid = InProcessGrid(client(), 6, run_config={"dp.level": "none"})
     s.start(grid=grid, initial_arrays=ArrayRecord(s.global_state), num_rounds=1)
     # the same round in the clear: the silos' states, the dense merge and its best rank-r approximation
     train_msgs = [msg for msg in grid.sent if msg.metadata.message_type == "train"]
@@ -207,3 +209,103 @@ def test_secure_aggregation_refuses_server_side_noise():
 
     with pytest.raises(ValueError, match="secagg.enabled"):
         make("fedlora", True, privacy=ServerNoise())
+
+
+# -- distributed DP at client level ---------------------------------------------------------------------
+class SharesPrivacy:
+    """A distributed-DP hook with fixed share parameters (tests the plumbing, not the calibration)."""
+
+    enabled, noise_at, clip = True, "distributed", None
+
+    def __init__(self, clip, scale, local_std, contributors, num_clients=6):
+        from strategies.privacy_contract import ServerSideDefaults
+
+        self.params = {"clip": clip, "scale": scale, "local-std": local_std, "contributors": contributors}
+        self.denominator, self.recorded = float(num_clients), []
+        self._base = ServerSideDefaults
+
+    def noise_parameters(self):
+        return dict(self.params)
+
+    def plan_round(self, server_round, round_type, sampled):
+        from strategies.privacy_contract import RoundPlan
+
+        return RoundPlan(server_round, round_type, tuple(sampled), 0, {}, (0.0,))
+
+    def commit_round(self, plan, num_aggregated, released):
+        self.recorded.append((plan.round_type, num_aggregated, released))
+
+    def epsilon(self):
+        return 1.0
+
+
+class ServerClip:
+    """The same round in the clear: the server clips each delta to C, adds no noise (client level)."""
+
+    enabled, noise_at = True, "server"
+
+    def __init__(self, clip):
+        self.clip = clip
+
+    def plan_round(self, server_round, round_type, sampled):
+        from strategies.privacy_contract import RoundPlan
+
+        return RoundPlan(server_round, round_type, tuple(sampled), 0, {}, (0.0,) * 8)
+
+    def commit_round(self, plan, num_aggregated, released):
+        pass
+
+    def epsilon(self):
+        return 0.0
+
+
+NO_BUDGET = {"dp-max-epsilon": 1e300}
+
+
+def client_level(name, privacy, secure, **kw):
+    return make(name, secure, privacy=privacy, client_level=True, denominator=6.0, **kw)
+
+
+@pytest.mark.parametrize("name", ["fedlora", "ffa-lora", "fedpower"])
+def test_distributed_dp_without_noise_equals_the_clipped_round_in_the_clear(name):
+    # shares of std 1/2 integer unit at a scale of 1e6 per unit: noise below 1e-6, so the secure
+    # round must equal the server-clipped round in the clear (clip 0.5 clips every silo's delta)
+    plain = client_level(name, ServerClip(0.5), False, power_iters=2)
+    secure = client_level(name, SharesPrivacy(0.5, 1e6, 0.5, 4), True, power_iters=2)
+    run(plain, client(), rounds=2)
+    run(secure, client(), rounds=2, node_config=NO_BUDGET)  # the silos accept shares this small
+    assert [r.round_type for r in secure.reports] == [r.round_type for r in plain.reports]
+    for k in plain.global_state:
+        assert torch.allclose(secure.global_state[k], plain.global_state[k], atol=2e-4), k
+    assert all(r.released for r in secure.reports)
+
+
+def test_distributed_dp_sum_carries_the_shares_noise():
+    # FedLoRA deltas: the release minus the clipped average is the sum of the 6 silos' shares / m
+    sigma, scale, m_silos = 2000.0, 1000.0, 6
+    plain = client_level("fedlora", ServerClip(0.5), False)
+    secure = client_level("fedlora", SharesPrivacy(0.5, scale, sigma, 4), True)
+    run(plain, client())
+    run(secure, client(), node_config=NO_BUDGET)
+    diff = torch.cat([(secure.global_state[k] - plain.global_state[k]).reshape(-1) for k in plain.global_state])
+    expected = (m_silos ** 0.5) * sigma / scale / m_silos
+    assert abs(float(diff.std()) / expected - 1) < 0.15, (float(diff.std()), expected)
+    assert abs(float(diff.mean())) < 4 * expected / len(diff) ** 0.5
+
+
+def test_silo_refuses_a_share_past_its_budget():
+    # a share of std 1/2 at C s = 1e6: epsilon in the millions, far past any budget
+    s = client_level("fedlora", SharesPrivacy(1.0, 1e6, 0.5, 4), True)
+    grid = InProcessGrid(client(), 6, run_config=_run_config(), node_config={"dp-max-epsilon": 8})
+    s.start(grid=grid, initial_arrays=ArrayRecord(s.global_state), num_rounds=1)
+    rep = s.reports[0]
+    assert not rep.released and "threshold" in rep.secure_refused
+    assert any("budget" in d["reason"] for d in rep.dropped)
+
+
+def _run_config():
+    from fedpower_app.config import pyproject_defaults
+
+    cfg = pyproject_defaults()
+    cfg.update({"task.name": "synthetic", "dp.level": "client", "secagg.enabled": True, "strategy.name": "fedlora"})
+    return cfg

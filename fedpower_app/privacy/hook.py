@@ -44,6 +44,11 @@ def guarantee(cfg: RunConfig) -> dict[str, Any]:
                 "statement": "the paper's calibration: the claimed epsilon is not the true one (printed beside it)"}
     from strategies.noise import HARDENED_SOURCE
 
+    if cfg["secagg.enabled"] and cfg["dp.level"] == "client":
+        return {"mode": "secret", "valid": True,
+                "statement": "(eps, delta)-DP guarantee: every silo draws its discrete Gaussian noise share on the "
+                             "silo from a generator seeded with 128 bits of OS entropy, whatever dp.noise says; the "
+                             "server draws nothing and no output holds a seed"}
     return {"mode": "secret", "valid": True, "statement": f"(eps, delta)-DP guarantee: {HARDENED_SOURCE}"}
 
 
@@ -384,7 +389,8 @@ def make_plan(cfg: RunConfig, *, client_sizes: list[int], num_modules: int) -> A
     )
 
 
-def build_privacy(cfg: RunConfig, *, client_sizes: list[int] | dict[int, int], num_modules: int):
+def build_privacy(cfg: RunConfig, *, client_sizes: list[int] | dict[int, int], num_modules: int,
+                  adapter_shapes: dict | None = None):
     """The hook for this run: NonPrivate, SiloDPSGD (``dp.noise-at = silo``), or the paper's
     server-side AccountedPrivacy calibrated from (ε, δ). ``client_sizes`` maps node -> n_k in
     population order (a list means nodes 0..N-1)."""
@@ -394,6 +400,12 @@ def build_privacy(cfg: RunConfig, *, client_sizes: list[int] | dict[int, int], n
         client_sizes = dict(enumerate(client_sizes))
     if cfg["dp.level"] == "sample" and cfg["dp.noise-at"] == "silo":
         return SiloDPSGD(cfg, client_sizes)
+    if cfg["secagg.enabled"] and cfg["dp.level"] == "client":  # the silos add the noise inside the secure sum
+        from .distributed import DistributedClientDP
+
+        if adapter_shapes is None:
+            raise ValueError("distributed DP needs the adapters' shapes (the dimension of each secure sum)")
+        return DistributedClientDP(cfg, num_clients=len(client_sizes), shapes=adapter_shapes)
     client_sizes = list(client_sizes.values())
     plan = make_plan(cfg, client_sizes=client_sizes, num_modules=num_modules)
     kw = {"noise_mode": cfg["dp.noise"], "record_cohort": cfg.diagnostics_released}

@@ -124,3 +124,26 @@ def refactorize_through_sums(sum_right: Callable, sum_left: Callable, q0: dict[s
         Q = {m: orthonormalize_rows(X[m].to(torch.float64)) for m in Q}
         Y = sum_right(Q)
     return {m: Y[m] for m in Q}, Q
+
+
+def powerdp_l_through_sums(sum_right: Callable, sum_left: Callable,
+                           public: dict[str, tuple[torch.Tensor, torch.Tensor]],
+                           iters: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """PowerDP-L (``powerdp.powerdp_l``) on W = B_g A_g + (average of the silos' clipped dW_i), warm-started
+    from the public A_g, with the silos' part reached only through secure sums: ``sum_right(Q)``
+    returns the averaged sum of dW_i Q^T per module (with the noise the silos added), ``sum_left(P)``
+    that of P^T dW_i. The server adds the public parts B_g (A_g Q^T) and (P^T B_g) A_g. 2 ``iters``
+    sums; returns (B = P X Q^T, A = Q) per module, as ``powerdp_l`` on the noisy iterates."""
+    if not isinstance(iters, int) or iters < 1:
+        raise ValueError(f"iters must be a positive integer, got {iters!r}")
+    pub = {m: (B.to(torch.float64), A.to(torch.float64)) for m, (B, A) in public.items()}
+    Q = {m: orthonormalize_rows(A) for m, (_, A) in pub.items()}
+    P = X = None
+    for _ in range(iters):
+        dY = sum_right(Q)
+        Y = {m: pub[m][0] @ (pub[m][1] @ Q[m].T) + dY[m].to(torch.float64) for m in Q}
+        P = {m: orthonormalize_columns(Y[m]) for m in Q}
+        dX = sum_left(P)
+        X = {m: (P[m].T @ pub[m][0]) @ pub[m][1] + dX[m].to(torch.float64) for m in Q}
+        Q = {m: orthonormalize_rows(X[m]) for m in Q}
+    return {m: P[m] @ (X[m] @ Q[m].T) for m in Q}, Q

@@ -70,6 +70,22 @@ class SecureAggregation:
     def quantizer(self, num_clients: int) -> FieldQuantizer:
         return FieldQuantizer(self.bits, float(self.clip_range), num_clients)
 
+    def describe(self, num_silos: int) -> dict:
+        """What a run's secure aggregation does and assumes (results.json, the start log)."""
+        nodes = list(range(1, max(2, num_silos) + 1))
+        cfg = self.config_for(nodes, 1, b"")
+        holders = cfg.effective_degree + 1
+        return {
+            "protocol": "SecAgg+ (Bell et al. 2020) on Flower's Message API",
+            "threshold": cfg.threshold, "share_holders": holders, "max_dropouts": holders - cfg.threshold,
+            "quantization_bits": self.bits, "clip_range": self.clip_range, "degree": cfg.effective_degree,
+            "error_bound_per_coordinate": self.error_bound(len(nodes)),
+            "statement": (f"the server sees only sums over each round's silos, never one silo's reply; it holds "
+                          f"if the server is honest-but-curious and colludes with at most {cfg.threshold - 1} silos "
+                          f"(t - 1, t = {cfg.threshold} of each silo's {holders} share holders); a round survives "
+                          f"up to {holders - cfg.threshold} dropouts and is refused past them"),
+        }
+
     def error_bound(self, num_clients: int) -> float:
         """The most the decoded sum of the cohort's vectors differs from the float sum, per coordinate."""
         return self.quantizer(num_clients).error_bound()
@@ -167,9 +183,21 @@ def _valid(stage: str, reply, server: SecureSumServer, node: int) -> str | None:
     return None
 
 
+def noise_mechanism(config: SecureSumConfig, noise: dict):
+    """The distributed discrete Gaussian of a sum whose public config carries noise parameters."""
+    from .distributed_dp import DistributedDiscreteGaussian
+
+    try:
+        return DistributedDiscreteGaussian(float(noise["clip"]), float(noise["scale"]), float(noise["local-std"]),
+                                           config.size, config.bits, len(config.nodes),
+                                           min(int(noise["contributors"]), len(config.nodes)))
+    except (KeyError, TypeError) as exc:
+        raise ValueError(f"malformed noise parameters: {exc!r}") from None
+
+
 def run_secure_sum(transport: Transport, config: SecureSumConfig, quantizer: FieldQuantizer, *,
                    masked_input_extra: dict | None = None, advertised: dict | None = None,
-                   recorder=None) -> SumOutcome:
+                   recorder=None, noise: dict | None = None) -> SumOutcome:
     """One secure sum over ``transport``. ``advertised``: stage-1 replies already in hand (the train
     replies carry them); ``masked_input_extra``: what every client needs for its vector (the input
     kind, the server's basis), sent with the masked-input request. Raises ``SecureSumRefused``."""
@@ -179,6 +207,8 @@ def run_secure_sum(transport: Transport, config: SecureSumConfig, quantizer: Fie
     rounds = 0
     bytes_up = 0
     public = {**config.to_dict(), "clip-range": float(quantizer.clip_range)}
+    if noise is not None:
+        public["noise"] = dict(noise)
 
     def collect(stage, replies):
         nonlocal bytes_up
@@ -197,16 +227,24 @@ def run_secure_sum(transport: Transport, config: SecureSumConfig, quantizer: Fie
         rounds += 1
         return collect(stage, transport(stage, {u: {"stage": stage, "config": public, **r} for u, r in requests.items()}))
 
-    if advertised is None:
-        advertised = ask("advertise_keys", {u: {} for u in config.nodes})
+    try:
+        if advertised is None:
+            advertised = ask("advertise_keys", {u: {} for u in config.nodes})
+        else:
+            advertised = collect("advertise_keys", {u: r for u, r in advertised.items() if u in config.nodes})
+        peer_keys = server.receive_keys(advertised)
+        sealed = server.receive_shares(ask("share_keys", {u: {"peer_keys": peer_keys[u]} for u in peer_keys}))
+        extra = dict(masked_input_extra or {})
+        requests = server.receive_masked(ask("masked_input", {u: {"sealed": sealed[u], **extra} for u in sealed}))
+        total, survivors = server.unmask(ask("unmask", requests))
+    except SecureSumRefused as exc:  # the dropouts that led to it travel with the refusal
+        exc.dropped = dropped
+        raise
+    if noise is not None:  # the last coordinate carries noise, not a count
+        decoded = noise_mechanism(config, noise).decode_sum(total)
+        decoded[-1] = 0.0
     else:
-        advertised = collect("advertise_keys", {u: r for u, r in advertised.items() if u in config.nodes})
-    peer_keys = server.receive_keys(advertised)
-    sealed = server.receive_shares(ask("share_keys", {u: {"peer_keys": peer_keys[u]} for u in peer_keys}))
-    extra = dict(masked_input_extra or {})
-    requests = server.receive_masked(ask("masked_input", {u: {"sealed": sealed[u], **extra} for u in sealed}))
-    total, survivors = server.unmask(ask("unmask", requests))
-    decoded = quantizer.decode_sum(total, len(survivors))
+        decoded = quantizer.decode_sum(total, len(survivors))
     return SumOutcome(total=decoded[:-1], survivors=survivors, clamped=float(decoded[-1]), message_rounds=rounds,
                       bytes_up=bytes_up, dropped=dropped, seconds=time.perf_counter() - t0)
 
@@ -238,9 +276,13 @@ def client_step(node: int, request: dict, saved: str | None,
             x = np.asarray(input_fn(request), dtype=np.float64).ravel()
             if x.shape != (config.size - 1,):
                 raise ValueError(f"this client's vector has {x.size} values, the sum expects {config.size - 1}")
-            quantizer = FieldQuantizer(config.bits, float(request["config"]["clip-range"]), len(config.nodes))
-            clamped = float(np.count_nonzero(np.abs(x) > quantizer.clip_range)) / max(1, x.size)
-            residues, _ = quantizer.encode(np.concatenate([x, [clamped]]))
+            if request["config"].get("noise") is not None:
+                # distributed DP: clip to C, scale, round conditionally, add this client's noise share
+                residues = noise_mechanism(config, request["config"]["noise"]).encode(np.concatenate([x, [0.0]]))
+            else:
+                quantizer = FieldQuantizer(config.bits, float(request["config"]["clip-range"]), len(config.nodes))
+                clamped = float(np.count_nonzero(np.abs(x) > quantizer.clip_range)) / max(1, x.size)
+                residues, _ = quantizer.encode(np.concatenate([x, [clamped]]))
             reply = client.masked_input(request["sealed"], residues)
         else:
             reply = client.unmask(request["survivors"], request["dropped"])
