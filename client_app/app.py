@@ -434,25 +434,15 @@ def _secure_sum_reply(context: Context, *, json_request: str | None = None, requ
         trained = context.state.array_records.get(SECURE_TRAINED_KEY)
         if trained is None:
             raise ValueError("a secure sum asks for a vector, but this silo trained nothing this run")
-        state = trained.to_torch_state_dict()
-        kind = req.get("input")
         noise = req["config"].get("noise")
         if noise is None:
             # without noise shares, only adapters trained with DP-SGD may enter a sum of a silo that requires DP
             private = context.state.config_records.get(SECURE_PRIVATE_KEY)
             if policy_of(context, silo_run_config(context)).requires_dp and not (private and bool(private["dp-sgd"])):
                 raise SiloRefusal("refused: a secure sum without noise of adapters not trained with DP-SGD")
-        elif not str(kind).endswith("delta"):
-            raise SiloRefusal(f"refused: noise shares are defined on round deltas, not on {kind!r}")
-        basis = None
-        if kind in ("power-right", "power-left", "power-right-delta", "power-left-delta"):
-            basis = {m: torch.as_tensor(np.asarray(b)) for m, b in dict(req["basis"]).items()}
-            SC.check_basis(kind, basis)
         glob_record = context.state.array_records.get(SECURE_GLOBAL_KEY)
-        vector = SC.contribution(kind, state, keys=list(req.get("keys", [])), modules=list(req.get("modules", [])),
-                                 basis=basis, extras=list(req.get("extras", [])),
-                                 glob=glob_record.to_torch_state_dict() if glob_record is not None else None,
-                                 clip=float(noise["clip"]) if noise is not None else None)
+        vector = SC.silo_vector(req, trained.to_torch_state_dict(),
+                                glob_record.to_torch_state_dict() if glob_record is not None else None)
         if noise is not None:
             _charge_noise_share(context, req)  # the last check before the share leaves
         return vector

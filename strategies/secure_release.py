@@ -89,6 +89,7 @@ class SecureRound:
                 draw = torch.randn((len(g.names), engine.rank, g.n), generator=gen, dtype=engine.ctx.dtype)
                 self.q0.update({name: draw[j] for j, name in enumerate(g.names)})
         self.outcomes: list[SumOutcome] = []
+        self.sum_fn = None  # (config, masked-input request) -> SumOutcome: replaces the protocol (audits)
 
     def _config(self, nodes, size):
         return self.settings.config_for(nodes, size, os.urandom(16))
@@ -104,6 +105,10 @@ class SecureRound:
 
     # -- the sums ------------------------------------------------------------------------------------
     def _sum(self, transport, config, extra, advertised=None) -> SumOutcome:
+        if self.sum_fn is not None:  # the release without the protocol (audits)
+            outcome = self.sum_fn(config, {"config": {**config.to_dict(), "noise": self.noise}, **extra})
+            self.outcomes.append(outcome)
+            return outcome
         outcome = run_secure_sum(transport, config, self.settings.quantizer(len(config.nodes)),
                                  masked_input_extra=extra, advertised=advertised, noise=self.noise)
         self.outcomes.append(outcome)

@@ -70,3 +70,27 @@ def test_fedpower_audit_runs_the_client_canaries(capsys):
     assert main(["client-canaries", "--canaries", "2000", "--clients", "100", "--dim", "256",
                  "--control", "no-noise"]) == 0  # a broken release caught: the control did its job
     assert "refutes the claim" in capsys.readouterr().out
+
+
+# -- distributed DP: each client adds its share inside the secure sum -----------------------------------
+DISTRIBUTED = dict(canaries=1000, clients=50, rounds=5, dim=64, client_rate=1.0, distributed=True)
+
+
+@pytest.mark.parametrize("control", ["none", "no-noise", "tenth-noise", "no-clip"])
+def test_distributed_dp_release_passes_and_its_positive_controls_are_refuted(control):
+    """The clients' own clip and discrete Gaussian shares, summed as the secure sum releases them:
+    the calibrated release passes, each broken one (no shares, a tenth of them, no clip) is refuted."""
+    report = run_client_canary_audit(method="fedlora", epsilon=EPS, control=control, **DISTRIBUTED)
+    assert report.passed == (control == "none"), report.line()
+    if control == "none":
+        assert report.epsilon_lower_bound <= EPS
+    else:
+        assert report.epsilon_lower_bound > EPS
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method,control", [("ffa-lora", "none"), ("ffa-lora", "no-noise"), ("ffa-lora", "no-clip"),
+                                            ("fedpower", "none"), ("fedpower", "no-noise")])
+def test_distributed_dp_audit_of_ffa_lora_and_fedpower(method, control):
+    report = run_client_canary_audit(method=method, epsilon=EPS, control=control, **DISTRIBUTED)
+    assert report.passed == (control == "none"), report.line()

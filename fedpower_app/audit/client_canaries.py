@@ -131,7 +131,11 @@ def run_client_canary_audit(*, method: str = "fedlora", epsilon: float = 2.0, de
                             clients: int = 200, canaries: int = 1000, client_rate: float = 0.5,
                             rounds: int = 10, clip: float = 1.0, control: str = "none", seed: int = 0,
                             modules: int = 2, rank: int = 4, dim: int = 64,
-                            guess_fraction: float = 0.1) -> WhiteBoxReport:
+                            guess_fraction: float = 0.1, distributed: bool = False) -> WhiteBoxReport:
+    """``distributed``: the release of distributed DP (``secagg.enabled``, every client every round,
+    each adding its discrete Gaussian share to its own clipped delta; the sums taken by
+    ``session.direct_sum``, which releases what the secure sum releases). A canary that does not
+    exist then answers with a zero delta and its share (zero-out: the neighbouring relation)."""
     from server_app.app import engine_for
     from strategies.engine import RoundReport
 
@@ -142,9 +146,12 @@ def run_client_canary_audit(*, method: str = "fedlora", epsilon: float = 2.0, de
     if control not in CONTROLS:
         raise ValueError(f"control must be one of {CONTROLS}, got {control!r}")
     population = clients + canaries
+    if distributed and client_rate != 1.0:
+        raise ValueError("distributed DP runs every client every round: client_rate must be 1")
     cfg = parse_config({"strategy.name": method, "dp.level": "client", "dp.epsilon": epsilon, "dp.delta": delta,
                         "dp.clip": clip, "strategy.client-rate": client_rate, "num-server-rounds": rounds,
-                        "lora.rank": rank, "seed": seed, "dp.noise": "seeded", "model.train-head": True})
+                        "lora.rank": rank, "seed": seed, "dp.noise": "seeded", "model.train-head": True,
+                        "secagg.enabled": distributed})
     gen = torch.Generator().manual_seed(seed)
     state = _initial_state(modules, rank, dim, gen)
     engine = engine_for(cfg, state, client_sizes=[1] * population)
@@ -154,6 +161,9 @@ def run_client_canary_audit(*, method: str = "fedlora", epsilon: float = 2.0, de
     width = sum(kind.sizes)
     scores = np.zeros(canaries)
 
+    if distributed:
+        return _distributed_audit(engine, kind, exists, gen, clients=clients, rounds=rounds, clip=clip,
+                                  control=control, epsilon=epsilon, delta=delta, guess_fraction=guess_fraction)
     if control in NO_CLIP:
         engine.ctx = dataclasses.replace(engine.ctx, clip=math.inf)
     for t in range(1, rounds + 1):
@@ -181,6 +191,50 @@ def run_client_canary_audit(*, method: str = "fedlora", epsilon: float = 2.0, de
                         sample_rate=client_rate, steps=rounds)
 
 
+def _distributed_audit(engine, kind, exists, gen, *, clients, rounds, clip, control, epsilon, delta,
+                       guess_fraction) -> WhiteBoxReport:
+    """The canary audit of distributed DP: every client's vector is the product's (``silo_vector``),
+    encoded with its noise share as a silo encodes it, and the round released by the product's
+    secure-round code (``strategies.secure_release``)."""
+    from strategies.engine import RoundReport
+    from strategies.secure_release import release_secure_round
+    from strategies.secure_sum.contributions import silo_vector
+    from strategies.secure_sum.session import direct_sum
+
+    population = clients + len(exists)
+    width = sum(kind.sizes)
+    scores = np.zeros(len(exists))
+    for t in range(1, rounds + 1):
+        plan = engine.plan_for(t, list(range(population)))
+        sr = engine._secure_round
+        noise = dict(sr.noise)
+        if control in NO_NOISE:
+            noise["local-std"] = 0.5  # the least the sampler takes: 1/2 integer unit, nothing at this scale
+        elif control == "tenth-noise":
+            noise["local-std"] = max(0.5, noise["local-std"] / 10)
+        if control in NO_CLIP:
+            noise["clip"] = 1e6 * clip  # the silos' clip off
+        sr.noise = noise
+        before = {k: v.clone() for k, v in engine.global_state.items()}
+        trained = {}
+        for node in plan.admitted:
+            if node >= clients:
+                j = node - clients
+                trained[node] = kind.canary_reply(j, before, 10.0 * clip) if exists[j] else before
+            else:
+                move = torch.randn(width, generator=gen)
+                trained[node] = kind.moved(before, move * ((0.5 * clip) / move.norm()))
+        sr.sum_fn = lambda config, request: direct_sum(
+            config, sr.settings.quantizer(len(config.nodes)),
+            {u: silo_vector(request, trained[u], before) for u in config.nodes}, noise=request["config"]["noise"])
+        release_secure_round(engine, RoundReport(t, plan.round_type, sampled=len(plan.admitted)), sr, None, {})
+        scores += kind.scores(before, engine.global_state)
+    return score_report(scores, exists, control=control, epsilon=epsilon, delta=delta,
+                        epsilon_at=engine.privacy.epsilon_at, guess_fraction=guess_fraction,
+                        noise_multiplier=float(engine.privacy.calibration.noise_multiplier), sample_rate=1.0,
+                        steps=rounds)
+
+
 def main(argv=None) -> int:
     """``fedpower-audit client-canaries``: the correct release and every positive control; exit 1
     if the correct release is refuted or a broken one is not."""
@@ -197,12 +251,15 @@ def main(argv=None) -> int:
     ap.add_argument("--dim", type=int, default=512, help="adapter width (coordinates grow with it)")
     ap.add_argument("--control", choices=CONTROLS + ("all",), default="all")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--distributed", action="store_true",
+                    help="audit distributed DP (secure aggregation; every client every round: --client-rate 1)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     return run_controls(
         lambda control: run_client_canary_audit(method=a.method, epsilon=a.epsilon, delta=a.delta, clients=a.clients,
                                                 canaries=a.canaries, client_rate=a.client_rate, rounds=a.rounds,
-                                                control=control, seed=a.seed, dim=a.dim),
+                                                control=control, seed=a.seed, dim=a.dim,
+                                                distributed=a.distributed),
         a.control, as_json=a.json, label="client-level canary audit")
 
 

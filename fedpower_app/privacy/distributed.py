@@ -111,6 +111,10 @@ class DistributedClientDP(ServerSideDefaults):
     def epsilon(self) -> float | None:
         return DA.epsilon_of(self.rdp, self.delta) if self.rounds_recorded else 0.0
 
+    def epsilon_at(self, delta: float) -> float:
+        """epsilon spent so far at another delta: the ledger's claimed profile (what an audit tests)."""
+        return DA.epsilon_of(self.rdp, delta) if self.rounds_recorded else 0.0
+
     def state_dict(self) -> dict:
         return {"kind": "distributed", "rdp": [float(x) for x in self.rdp], "rounds": self.rounds_recorded,
                 "calibration": self.calibration.to_dict()}

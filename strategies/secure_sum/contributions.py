@@ -154,3 +154,23 @@ def check_basis(kind: str, basis: dict[str, torch.Tensor], tol: float = 1e-3) ->
         G = U @ U.T if kind.startswith("power-right") else U.T @ U
         if (G - torch.eye(G.shape[0], dtype=G.dtype)).abs().max() > tol:
             raise ValueError(f"module {name}: the server's basis is not orthonormal")
+
+
+def silo_vector(request: dict, trained: dict[str, torch.Tensor], glob: dict[str, torch.Tensor] | None) -> np.ndarray:
+    """A silo's vector for the masked-input stage of ``request`` (its ``input`` kind, the server's
+    basis, the keys, modules and head, and the public config with any noise parameters), from the
+    adapters it trained and the global it received. Checks what the server sent first: noise shares
+    only on round deltas, and an orthonormal basis."""
+    kind = request.get("input")
+    noise = request["config"].get("noise")
+    if noise is not None and not str(kind).endswith("delta"):
+        raise ValueError(f"noise shares are defined on round deltas, not on {kind!r}")
+    if noise is None and str(kind).endswith("delta") and kind != "delta":
+        raise ValueError(f"a {kind} sum needs the noise parameters (its clip)")
+    basis = None
+    if str(kind).startswith("power"):
+        basis = {m: torch.as_tensor(np.asarray(b)) for m, b in dict(request["basis"]).items()}
+        check_basis(kind, basis)
+    return contribution(kind, trained, keys=list(request.get("keys", [])), modules=list(request.get("modules", [])),
+                        basis=basis, extras=list(request.get("extras", [])), glob=glob,
+                        clip=float(noise["clip"]) if noise is not None else None)

@@ -249,6 +249,29 @@ def run_secure_sum(transport: Transport, config: SecureSumConfig, quantizer: Fie
                       bytes_up=bytes_up, dropped=dropped, seconds=time.perf_counter() - t0)
 
 
+def direct_sum(config: SecureSumConfig, quantizer: FieldQuantizer, vectors: dict, *, noise: dict | None = None
+               ) -> SumOutcome:
+    """What a secure sum releases, without the protocol: each client's vector encoded exactly as
+    ``client_step`` encodes it (noise share included), summed mod M and decoded. The masks cancel
+    exactly in the protocol (tests/test_secure_sum.py), so this is the same release, for audits of
+    the mechanism over thousands of clients."""
+    total = np.zeros(config.size, dtype=np.int64)
+    for node in config.nodes:
+        x = np.asarray(vectors[node], dtype=np.float64).ravel()
+        if noise is not None:
+            residues = noise_mechanism(config, noise).encode(np.concatenate([x, [0.0]]))
+        else:
+            clamped = float(np.count_nonzero(np.abs(x) > quantizer.clip_range)) / max(1, x.size)
+            residues, _ = quantizer.encode(np.concatenate([x, [clamped]]))
+        total = (total + residues) & ((1 << config.bits) - 1)
+    if noise is not None:
+        decoded = noise_mechanism(config, noise).decode_sum(total)
+        decoded[-1] = 0.0
+    else:
+        decoded = quantizer.decode_sum(total, len(config.nodes))
+    return SumOutcome(total=decoded[:-1], survivors=list(config.nodes), clamped=float(decoded[-1]), message_rounds=0)
+
+
 # -- the client's step ---------------------------------------------------------------------------------
 def client_step(node: int, request: dict, saved: str | None,
                 input_fn: Callable[[dict], np.ndarray]) -> tuple[dict, str]:
