@@ -170,6 +170,8 @@ def _valid(stage: str, reply, server: SecureSumServer, node: int) -> str | None:
                 return "sealed shares are not bytes"
         elif stage == "masked_input":
             y = reply.get("masked")
+            if isinstance(y, np.ndarray) and y.dtype == np.uint32 and cfg.bits <= 32:
+                y = reply["masked"] = y.astype(np.int64)
             if not (isinstance(y, np.ndarray) and y.shape == (cfg.size,) and y.dtype == np.int64
                     and (y.size == 0 or (y.min() >= 0 and y.max() < (1 << cfg.bits)))):
                 return f"masked input is not {cfg.size} residues mod 2^{cfg.bits}"
@@ -214,10 +216,11 @@ def run_secure_sum(transport: Transport, config: SecureSumConfig, quantizer: Fie
         nonlocal bytes_up
         good = {}
         for node, reply in replies.items():
+            size = _payload_bytes(reply) if isinstance(reply, dict) else 0  # as sent, before any widening
             reason = _valid(stage, reply, server, int(node))
             if reason is None:
                 good[int(node)] = reply
-                bytes_up += _payload_bytes(reply)
+                bytes_up += size
             else:
                 dropped.append({"node": int(node), "stage": stage, "reason": reason})
         return good
@@ -307,6 +310,8 @@ def client_step(node: int, request: dict, saved: str | None,
                 clamped = float(np.count_nonzero(np.abs(x) > quantizer.clip_range)) / max(1, x.size)
                 residues, _ = quantizer.encode(np.concatenate([x, [clamped]]))
             reply = client.masked_input(request["sealed"], residues)
+            if config.bits <= 32:  # residues below 2^32 travel in 4 bytes each, not 8
+                reply = {"masked": reply["masked"].astype(np.uint32)}
         else:
             reply = client.unmask(request["survivors"], request["dropped"])
     config_text, _ = encode(config.to_dict())
