@@ -309,3 +309,33 @@ def _run_config():
     cfg = pyproject_defaults()
     cfg.update({"task.name": "synthetic", "dp.level": "client", "secagg.enabled": True, "strategy.name": "fedlora"})
     return cfg
+
+
+def test_privacy_plan_of_a_distributed_dp_run(capsys):
+    from fedpower_app.privacy.cli import main
+
+    rc = main(["--preset", "conf/tiny.toml", "--set", "secagg.enabled=true", "--set", 'dp.level="client"',
+               "--set", "strategy.client-rate=1.0", "--set", "secagg.colluders=1"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "client-level distributed DP" in out and "k = t - colluders = 3" in out and "VALID" in out
+
+
+def test_distributed_dp_calibration_meets_its_target_and_silo_accounts_at_its_own_k():
+    from fedpower_app.privacy.accounting import distributed as DA
+    from fedpower_app.privacy.distributed import silo_release_epsilon
+
+    plan = DA.DistributedPlan(epsilon=4.0, delta=1e-5, num_rounds=5, clip=0.5, num_clients=6, min_contributors=4,
+                              schedule=((1000,),) * 5, bits=32)
+    cal = DA.calibrate(plan)
+    assert 3.99 < cal.epsilon <= 4.0 and cal.wrap_probability < 1e-9
+    noise = {"clip": 0.5, "scale": cal.scale, "local-std": cal.local_std, "contributors": 4}
+    rdp = [0.0] * len(DA.ORDERS)
+    for _ in range(5):
+        rdp, eps = silo_release_epsilon(rdp, noise=noise, dimension=1000, threshold=4, colluders=0, delta=1e-5)
+    assert eps == pytest.approx(cal.epsilon, rel=1e-6)  # the silo's ledger agrees with the server's plan
+    # a silo assuming one colluder accounts at k = 3: more epsilon for the same shares
+    rdp3 = [0.0] * len(DA.ORDERS)
+    for _ in range(5):
+        rdp3, eps3 = silo_release_epsilon(rdp3, noise=noise, dimension=1000, threshold=4, colluders=1, delta=1e-5)
+    assert eps3 > eps * 1.1

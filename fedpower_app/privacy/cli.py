@@ -288,6 +288,30 @@ def _accounted(hook) -> bool:
             and isinstance(getattr(hook, "calibration", None), acc.Calibration))
 
 
+def _num_labels(cfg: RunConfig) -> int:
+    """The task's number of labels, from the configuration alone (no data read)."""
+    from fedpower_app.data.glue_tasks import GLUE_TASKS
+    from fedpower_app.data.text_files import parse_labels
+
+    if cfg["task.name"] == "text":
+        return len(parse_labels(cfg["task.labels"]))
+    return GLUE_TASKS[cfg["task.name"]].num_labels if cfg["task.name"] in GLUE_TASKS else 2
+
+
+def _adapter_shapes(cfg: RunConfig) -> dict:
+    """The shapes of the adapters and head the silos train (distributed DP's sums are sized by them):
+    the server's own initial adapter state, from the local model."""
+    from fedpower_app import model as M
+
+    try:
+        state = M.initial_adapter_state(cfg, _num_labels(cfg))
+    except (OSError, ValueError, RuntimeError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(f"config key 'model.name' ({cfg['model.name']!r}): distributed DP sizes its secure sums by "
+                          f"the adapters' shapes, and the model cannot be loaded here ({first})") from None
+    return {k: tuple(v.shape) for k, v in state.items()}
+
+
 def plan_privacy(args) -> dict[str, Any]:
     """Everything the report needs: config, inputs and the server's privacy hook."""
     from fedpower_app.privacy import build_privacy
@@ -299,7 +323,9 @@ def plan_privacy(args) -> dict[str, Any]:
         return out
     sizes, n_silos, sizes_src = client_sizes(args, cfg)
     m, m_src = num_modules(args, cfg)
-    hook = build_privacy(cfg, client_sizes=sizes if sizes is not None else [1] * n_silos, num_modules=m)
+    shapes = _adapter_shapes(cfg) if cfg["secagg.enabled"] and cfg["dp.level"] == "client" else None
+    hook = build_privacy(cfg, client_sizes=sizes if sizes is not None else [1] * n_silos, num_modules=m,
+                         adapter_shapes=shapes)
     # Unknown shard sizes are fine only if the plan does not use them (client level).
     if sizes is None and not (_accounted(hook) and hook.plan.client_sizes is None):
         raise ConfigError(f"config key 'task.name' = {cfg['task.name']!r} with an empty task.data-dir: the shard "
