@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 import numpy as np
 import torch
@@ -151,16 +152,18 @@ class SecureRound:
         release.num_clients = len(out.survivors)
         return release
 
-    def _powerdp_l_release(self, transport, advertised) -> Release:
-        """Client level, FedPower: PowerDP-L warm-started from the public A_g, every product
-        W Q^T = B_g A_g Q^T + (sum_i dW_i Q^T + noise) / m a secure sum with the silos' noise shares."""
+    def _thin_sums(self, transport, advertised, suffix: str, denominator):
+        """(sum_right, sum_left, head): FedPower's averaged secure sums of thin products per module,
+        ``suffix`` "" (the trained factors) or "-delta" (the clipped round delta, distributed DP);
+        the first sum is announced in the train message and carries the head; later sums run over
+        the survivors of the one before. ``denominator(outcome)``: what a sum is divided by."""
         engine = self.engine
         shapes = engine.expected_reply_shapes()
         head: dict = {}
         cohort = {"nodes": None}
 
         def averaged(kind, basis, extras):
-            bases = {m: b.detach().numpy().astype(np.float64) for m, b in basis.items()}
+            bases = {m: b.detach().numpy().astype(np.float32) for m, b in basis.items()}  # orthonormal to 1e-7
             extra = {"input": kind, "modules": engine.modules, "basis": bases, "extras": list(extras)}
             if cohort["nodes"] is None:
                 out = self._sum(transport, self.first, extra, advertised)
@@ -170,89 +173,52 @@ class SecureRound:
                 size = C.vector_size(kind, shapes, engine.modules, engine.rank, extras)
                 out = self._sum(transport, self._config(cohort["nodes"], size), extra)
             cohort["nodes"] = out.survivors
-            return out.total / engine.denominator
+            return out.total / denominator(out)
+
+        def split(vec, rows_of):
+            at, out = 0, {}
+            for m in engine.modules:
+                rows, cols = rows_of(m)
+                out[m] = torch.as_tensor(vec[at: at + rows * cols]).reshape(rows, cols)
+                at += rows * cols
+            return out, at
 
         def sum_right(Q):
             extras = engine.extras if cohort["nodes"] is None else []
-            vec = averaged("power-right-delta", Q, extras)
-            at, out = 0, {}
-            for m in engine.modules:
-                rows = shapes[m + C.LORA_B][0]
-                out[m] = torch.as_tensor(vec[at: at + rows * engine.rank]).reshape(rows, engine.rank)
-                at += rows * engine.rank
+            vec = averaged("power-right" + suffix, Q, extras)
+            out, at = split(vec, lambda m: (shapes[m + C.LORA_B][0], engine.rank))
             if extras:
                 head.update(C.unflatten(vec[at:], {k: shapes[k] for k in extras}))
             return out
 
         def sum_left(P):
-            vec = averaged("power-left-delta", P, [])
-            at, out = 0, {}
-            for m in engine.modules:
-                cols = shapes[m + C.LORA_A][1]
-                out[m] = torch.as_tensor(vec[at: at + engine.rank * cols]).reshape(engine.rank, cols)
-                at += engine.rank * cols
-            return out
+            return split(averaged("power-left" + suffix, P, []), lambda m: (engine.rank, shapes[m + C.LORA_A][1]))[0]
 
+        return sum_right, sum_left, head
+
+    def _powerdp_l_release(self, transport, advertised) -> Release:
+        """Client level, FedPower: PowerDP-L warm-started from the public A_g, every product
+        W Q^T = B_g A_g Q^T + (sum_i dW_i Q^T + noise) / m a secure sum with the silos' noise shares."""
+        engine = self.engine
+        sum_right, sum_left, head = self._thin_sums(transport, advertised, "-delta", lambda out: engine.denominator)
         public = {m: (engine.global_state[m + C.LORA_B], engine.global_state[m + C.LORA_A]) for m in engine.modules}
         B, A = powerdp_l_through_sums(sum_right, sum_left, public, engine.ctx.power_iters)
+        return self._factor_release(B, A, {k: head[k] for k in engine.extras})
+
+    def _power_release(self, transport, advertised) -> Release:
+        """Sample level or non-private, FedPower: the power iteration on the average of B_i A_i."""
+        engine = self.engine
+        sum_right, sum_left, head = self._thin_sums(transport, advertised, "", lambda out: len(out.survivors))
+        B, A = refactorize_through_sums(sum_right, sum_left, self.q0, engine.ctx.power_iters)
+        return self._factor_release(B, A, {k: head[k] - engine.global_state[k] for k in engine.extras})
+
+    def _factor_release(self, B, A, extra_delta) -> Release:
         release = Release(A={m: A[m].to(torch.float32) for m in A}, B={m: B[m].to(torch.float32) for m in B},
-                          extra_delta={k: head[k] for k in engine.extras})
+                          extra_delta=extra_delta)
         for k, v in list(release.A.items()) + list(release.B.items()) + list(release.extra_delta.items()):
             if not torch.isfinite(v).all():
                 raise SecureSumRefused(f"the secure sums of the round are not finite ({k})")
         release.num_clients = len(self.outcomes[0].survivors)
-        return release
-
-    def _power_release(self, transport, advertised) -> Release:
-        engine = self.engine
-        shapes = engine.expected_reply_shapes()
-        state = {"cohort": None, "first": True}
-
-        def averaged(kind, basis, extras):
-            bases = {m: b.detach().numpy().astype(np.float64) for m, b in basis.items()}
-            extra = {"input": kind, "modules": engine.modules, "basis": bases, "extras": list(extras)}
-            if state["first"]:
-                state["first"] = False
-                out = self._sum(transport, self.first, extra, advertised)
-            else:
-                size = C.vector_size(kind, shapes, engine.modules, engine.rank, extras)
-                nodes = state["cohort"]
-                if len(nodes) < 2:
-                    raise SecureSumRefused(f"only {len(nodes)} silo(s) left for the next secure sum of the round")
-                out = self._sum(transport, self._config(nodes, size), extra)
-            state["cohort"] = out.survivors  # later sums of the round run over the survivors
-            return out.total / len(out.survivors)
-
-        head = {}
-
-        def sum_right(Q):
-            extras = engine.extras if not head else []
-            vec = averaged("power-right", Q, extras)
-            at, out = 0, {}
-            for m in engine.modules:
-                rows = shapes[m + C.LORA_B][0]
-                out[m] = torch.as_tensor(vec[at: at + rows * engine.rank]).reshape(rows, engine.rank)
-                at += rows * engine.rank
-            if extras:
-                head.update(C.unflatten(vec[at:], {k: shapes[k] for k in extras}))
-            return out
-
-        def sum_left(P):
-            vec = averaged("power-left", P, [])
-            at, out = 0, {}
-            for m in engine.modules:
-                cols = shapes[m + C.LORA_A][1]
-                out[m] = torch.as_tensor(vec[at: at + engine.rank * cols]).reshape(engine.rank, cols)
-                at += engine.rank * cols
-            return out
-
-        B, A = refactorize_through_sums(sum_right, sum_left, self.q0, engine.ctx.power_iters)
-        release = Release(A={m: A[m].to(torch.float32) for m in A}, B={m: B[m].to(torch.float32) for m in B},
-                          extra_delta={k: head[k] - engine.global_state[k] for k in engine.extras})
-        release.num_clients = len(self.outcomes[0].survivors)
-        for k, v in release.extra_delta.items():
-            if not torch.isfinite(v).all():
-                raise SecureSumRefused(f"the secure sum of the head {k} is not finite")
         return release
 
     # -- what the round report shows ----------------------------------------------------------------
@@ -277,8 +243,6 @@ def release_secure_round(engine, report, secure_round: SecureRound, transport: T
     ``RoundEngine.release_updates``). A refused sum releases nothing; returns whether a model was
     released."""
     plan = engine._plan
-    import time
-
     t0 = time.perf_counter()
     try:
         release = secure_round.run(transport, advertised)
