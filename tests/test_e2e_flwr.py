@@ -66,6 +66,24 @@ def test_flwr_run_completes_and_writes_results(strategy, flwr_home, tmp_path):
     assert (out / strategy / "final-eval-logits.pt").exists()
 
 
+def test_distributed_dp_with_secure_aggregation_on_the_ray_engine(flwr_home, tmp_path):
+    """Secure aggregation in the Ray simulation, at client level with distributed DP (FedPower's
+    PowerDP-L through secure sums): each silo keeps its secrets in its Context.state between the
+    stages, every round is released, and the run's epsilon is the distributed ledger's."""
+    out = tmp_path / "outputs"
+    outcome = run_flwr(PROJECT_ROOT, {"output-dir": str(out), "run-name": "secagg", "secagg.enabled": True,
+                                      "dp.level": "client", "dp.clip": 0.5, "strategy.client-rate": 1.0},
+                       preset=PROJECT_ROOT / "conf" / "tiny.toml", num_supernodes=3, flwr_home=flwr_home,
+                       superlink_port=PORT, echo=False, timeout=900)
+    assert outcome.run_id, outcome.output[-3000:]
+    results = json.loads((out / "secagg" / "results.json").read_text())
+    assert results["status"] == "completed", outcome.output[-3000:]
+    assert results["privacy"]["calibration"]["is_valid_guarantee"] and results["privacy"]["min_contributors"] == 2
+    rows = results["rounds"]
+    assert [r["released"] for r in rows] == [True, True] and all(r["message_rounds"] > 4 for r in rows)
+    assert 0 < rows[-1]["epsilon"] <= results["config"]["dp.epsilon"] * (1 + 1e-6)
+
+
 def test_flwr_run_rejects_bad_config(flwr_home, tmp_path):
     outcome = run_flwr(PROJECT_ROOT, {"lora.rank": 0, "output-dir": str(tmp_path)}, preset=PROJECT_ROOT / "conf" / "tiny.toml",
                        num_supernodes=2, flwr_home=flwr_home, superlink_port=PORT, echo=False, timeout=600)
