@@ -56,7 +56,7 @@ def main(argv=None) -> int:
     except ConfigError as exc:
         raise SystemExit(f"inprocess_run: {exc}") from None
     t0 = time.perf_counter()
-    run_dir = run_inprocess(overrides, a.clients)
+    run_dir = run_inprocess(overrides, a.clients, explicit=explicit)
     print(f"inprocess_run: {final_line(run_dir, time.perf_counter() - t0)}", file=sys.stderr)
     return 0
 

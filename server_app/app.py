@@ -25,6 +25,7 @@ from fedpower_app.config import RunConfig, parse_config
 from fedpower_app.logging_setup import setup_logging
 from fedpower_app.privacy import build_privacy, guarantee
 from fedpower_app.released import save_released
+from fedpower_app.runs.auto import refuse_unresolved
 from fedpower_app.runs.results import ResultsWriter, no_round_aggregated
 from fedpower_app.training import evaluate as evaluate_model
 from strategies.engine import build_engine
@@ -297,6 +298,7 @@ def run_server(grid: Grid, cfg: RunConfig) -> None:
     log.info("fedpower run %s -> %s%s", run_dir.name, results.path,
              f" (resuming after round {checkpoint['round']})" if checkpoint else "")
     try:
+        refuse_unresolved(cfg)  # train.auto is a launcher's to resolve (fedpower_app/runs/auto.py)
         _run(grid, cfg, run_dir, results, checkpoint=checkpoint)
     except Exception as exc:
         results.finish("failed", error=f"{type(exc).__name__}: {exc}")

@@ -102,3 +102,31 @@ def test_train_auto_fills_the_plan_and_keeps_what_was_set(tmp_path, capsys):
     assert settings["train.batch-size"] == plan.batch_size and "the compute of the private plan" in lines[0]
     with pytest.raises(ValueError, match="DP-SGD on the silos"):
         auto_settings(parse_config({**base, "dp.noise-at": "server"}), [200, 200, 200])
+
+
+def test_train_auto_is_resolved_by_every_launcher_and_refused_unresolved_by_the_server(tmp_path, capsys):
+    """The in-process runner (benchmarks.inprocess_run, the grid's child) plans as fedpower-run does,
+    and the run config it hands to the ServerApp holds the plan with train.auto = false; a ServerApp
+    that still receives train.auto = true (a bare flwr run) refuses the run with one line."""
+    from fedpower_app.config import ConfigError
+    from fedpower_app.runs.auto import refuse_unresolved, resolve_train_auto
+
+    from .test_text_task import review_rows, write
+
+    data = tmp_path / "data"
+    write(data / "train.csv", review_rows(600))
+    write(data / "validation.csv", review_rows(50, 2))
+    base = {"task.name": "text", "task.data-dir": str(data), "task.text-column": "review",
+            "task.label-column": "sentiment", "task.labels": "negative,positive", "train.auto": True,
+            "train.batch-size": 7}
+    out, lines = resolve_train_auto(dict(base), set(), 3)
+    plan = recommend([200, 200, 200], 8.0, 1e-5)
+    assert out["train.auto"] is False and out["train.batch-size"] == plan.batch_size  # a preset's key gives way
+    assert out["num-server-rounds"] == plan.rounds and lines[0].startswith("train.auto: train.batch-size=")
+    again, more = resolve_train_auto(out, set(), 3)
+    assert again == out and more == []  # resolved once: a resume never plans again
+    kept, _ = resolve_train_auto(dict(base), {"train.batch-size"}, 3)
+    assert kept["train.batch-size"] == 7
+    refuse_unresolved(parse_config(out))
+    with pytest.raises(ConfigError, match="train.auto is resolved when a run is launched"):
+        refuse_unresolved(parse_config(base))

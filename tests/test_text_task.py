@@ -388,3 +388,31 @@ def test_three_silos_with_differently_shaped_files_in_process(tmp_path, tiny_mod
     rows_ = check_silo_ledgers(silos, rounds=2, local_steps=2, batch_size=16)
     check_server_view(results, rows_)
     assert results["totals"]["lead_metric"] == "macro-f1"
+
+
+def test_train_auto_runs_the_plan_in_the_in_process_runner(tmp_path, tiny_model_dir, capsys):
+    """benchmarks.inprocess_run (and the grid's in-process cells) run train.auto's plan, as fedpower-run
+    does: the run's config holds the plan's settings with train.auto = false, and the lines say why."""
+    from benchmarks.inprocess_run import main as inprocess_main
+    from fedpower_app.privacy.recommend import recommend
+
+    d = tmp_path / "data"
+    write(d / "train.csv", review_rows(600))
+    write(d / "validation.csv", review_rows(40, 7))
+    preset = tmp_path / "p.toml"
+    preset.write_text("")
+    sets = {**TEXT_KEYS, "task.data-dir": str(d), "model.name": tiny_model_dir, "task.max-length": 16,
+            "lora.rank": 4, "task.cache-dir": str(tmp_path / "c"), "train.auto": True, "train.epochs": 1.0,
+            "dp.noise": "seeded"}
+    argv = ["--preset", str(preset), "--clients", "3", "--name", "auto", "--out", str(tmp_path / "out")]
+    for k, v in sets.items():
+        argv += ["--set", f"{k}={json.dumps(v)}" if not isinstance(v, bool) else f"{k}={str(v).lower()}"]
+    assert inprocess_main(argv) == 0
+    assert "train.auto: train.batch-size=" in capsys.readouterr().err
+    res = json.loads((tmp_path / "out" / "auto" / "results.json").read_text())
+    plan = recommend([200, 200, 200], 8.0, 1e-5, epochs=1.0)
+    cfg = res["config"]
+    assert res["status"] == "completed" and cfg["train.auto"] is False
+    assert (cfg["train.batch-size"], cfg["train.local-steps"], cfg["num-server-rounds"]) == \
+        (plan.batch_size, plan.local_steps, plan.rounds)
+    assert len(res["rounds"]) == plan.rounds

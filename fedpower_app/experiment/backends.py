@@ -20,6 +20,20 @@ def _flwr_log_excerpt(output: str, ok: bool) -> str:
     return "\n".join(lines if not ok else lines[-60:]) + "\n"
 
 
+def _resolved(spec: GridSpec, cell: Cell, overrides: dict[str, Any]) -> dict[str, Any]:
+    """A cell's overrides with ``train.auto`` resolved for its silos (fedpower_app/runs/auto.py): the
+    grid's own keys, as set by hand, are kept; the preset's give way to the plan, as in fedpower-run."""
+    from ..runs.auto import resolve_train_auto
+
+    explicit = set(spec.overrides) | set(spec.overrides_of(cell.method, cell.epsilon))
+    if cell.epsilon is None:
+        explicit |= set(spec.nonprivate_overrides) | ({"train.lr"} if spec.nonprivate_lr is not None else set())
+    resolved, lines = resolve_train_auto(overrides, explicit, spec.supernodes)
+    for line in lines:
+        print(f"  {cell.cell_id}: {line}", flush=True)
+    return resolved
+
+
 def run_cell(spec: GridSpec, cell: Cell, out: Path, *, flwr_home: Path, port: int, echo: bool,
              timeout: float | None, keep_adapters: bool, cell_lock=None) -> dict[str, Any]:
     """Run one cell (through ``flwr run``, or on the in-process grid) and return its manifest entry.
@@ -27,7 +41,7 @@ def run_cell(spec: GridSpec, cell: Cell, out: Path, *, flwr_home: Path, port: in
     from ..launcher import run_flwr
 
     cell_dir = out / "cells" / cell.cell_id
-    overrides = cell_overrides(spec, cell, out)
+    overrides = _resolved(spec, cell, cell_overrides(spec, cell, out))
     resume_from = resumable_round(cell_dir, overrides)
     if resume_from is None and cell_dir.exists():
         if cell_status(out, cell) in FINISHED:  # stale: made with other settings; keep it aside

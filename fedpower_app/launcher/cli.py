@@ -224,22 +224,15 @@ def check_data(cfg: RunConfig, num_supernodes: int) -> None:
 
 def resolve_auto(overrides: dict[str, Any], explicit, *, app_dir: str | Path, num_supernodes: int) -> dict[str, Any]:
     """With ``train.auto``: the overrides completed with the public rules' settings for these silos
-    (fedpower_app/privacy/recommend.py), printed with why; unchanged otherwise. Raises ConfigError."""
-    pyproject = Path(app_dir) / "pyproject.toml"
-    cfg = validate_overrides(overrides, pyproject=pyproject if pyproject.exists() else None)
-    if not cfg["train.auto"]:
-        return overrides
-    from ..data import load_task, shard_sizes
-    from ..privacy.recommend import auto_settings
+    (fedpower_app/runs/auto.py), printed with why; unchanged otherwise. Raises ConfigError."""
+    from ..runs.auto import resolve_train_auto
 
-    try:
-        sizes = shard_sizes(len(load_task(cfg).train), num_supernodes)
-        settings, lines = auto_settings(cfg, sizes, explicit)
-    except (OSError, ValueError, RuntimeError) as exc:
-        raise ConfigError(f"train.auto: {' '.join(str(exc).split())}") from None
+    pyproject = Path(app_dir) / "pyproject.toml"
+    validate_overrides(overrides, pyproject=pyproject if pyproject.exists() else None)
+    overrides, lines = resolve_train_auto(overrides, explicit, num_supernodes)
     for line in lines:
         print(f"fedpower-run: {line}", flush=True)
-    return {**overrides, **settings}
+    return overrides
 
 
 def check_ray(args: argparse.Namespace, backend: str) -> str | None:

@@ -25,17 +25,22 @@ from pathlib import Path
 from typing import Any
 
 
-def run_inprocess(overrides: dict[str, Any], num_clients: int) -> Path:
+def run_inprocess(overrides: dict[str, Any], num_clients: int, explicit=()) -> Path:
     """Run ``overrides`` (run-config keys) with ``num_clients`` virtual clients; return the run
-    directory. A bad config raises ConfigError before anything trains."""
+    directory. ``train.auto`` is resolved here if no launcher did (``explicit``: the keys set by
+    hand, which it keeps). A bad config raises ConfigError before anything trains."""
     if num_clients < 2:
         raise ValueError(f"the in-process grid needs at least 2 clients, got {num_clients}")
     from client_app.app import app as client_app
     from server_app import app as server
 
     from ..config import parse_config
+    from .auto import resolve_train_auto
     from .inprocess_grid import InProcessGrid
 
+    overrides, lines = resolve_train_auto(overrides, explicit, num_clients)
+    for line in lines:
+        print(line, file=sys.stderr, flush=True)
     cfg = parse_config(overrides)
     # run_server, as the ServerApp's main: checkpoints, resume, and a failed status in results.json.
     server.run_server(InProcessGrid(client_app, num_clients, cfg.to_dict(), record_sent=False), cfg)
