@@ -11,8 +11,8 @@ import pytest
 
 from fedpower_app.config import parse_config
 from fedpower_app.privacy.accounting.silo import dp_sgd_epsilon
-from fedpower_app.privacy.recommend import (CLIP, MAX_NOISE_MULTIPLIER, PlanRefused, auto_settings,
-                                            epochs_for_minutes, recommend)
+from fedpower_app.privacy.recommend import (CLIP, MAX_NOISE_MULTIPLIER, RECIPE_NOISE_RATIO, PlanRefused,
+                                            auto_settings, epochs_for_minutes, recommend)
 
 
 def test_the_sst2_sizes_give_back_the_sst2_recipe():
@@ -20,6 +20,27 @@ def test_the_sst2_sizes_give_back_the_sst2_recipe():
     assert (plan.batch_size, plan.local_steps, plan.rounds) == (1010, 4, 14)  # the recipe: b 1,000, L 4, T 14
     assert plan.noise_multiplier == pytest.approx(0.845, abs=0.02) and plan.lr == pytest.approx(0.0175, rel=0.01)
     assert plan.clip == CLIP
+    ratio = plan.noise_multiplier / (plan.batch_size * math.sqrt(6))
+    assert ratio == pytest.approx(RECIPE_NOISE_RATIO, rel=0.05)  # the noise rule's anchor is the recipe itself
+    assert not any("raised" in r for r in plan.reasons)
+
+
+def test_small_silos_raise_the_batch_to_bring_the_noise_per_step_towards_the_recipes():
+    sizes = [1667, 1667, 1667, 1667, 1666, 1666]
+    plan = recommend(sizes, 8.0, 1e-5)
+    assert plan.batch_size == 833 and plan.sample_rate == pytest.approx(0.5)  # b0 = 167 had 6x the noise
+    ratio = plan.noise_multiplier / (plan.batch_size * math.sqrt(6))
+    assert 1.5 * RECIPE_NOISE_RATIO < ratio < 2.5 * RECIPE_NOISE_RATIO
+    said = " ".join(plan.reasons)
+    assert "b0 = 167" in said and "raised from b0" in said and "expect a gap" in said
+    # more silos of the same size: less noise in their average, so a smaller raise that meets the recipe's
+    many = recommend([1666] * 60, 8.0, 1e-5)
+    assert 167 < many.batch_size < 833
+    assert many.noise_multiplier / (many.batch_size * math.sqrt(60)) <= 1.1 * RECIPE_NOISE_RATIO
+    assert "expect a gap" not in " ".join(many.reasons)
+    # a raise is never taken where it would need more noise than the rules allow
+    tight = recommend(sizes, 1.0, 1e-5)
+    assert tight.noise_multiplier <= MAX_NOISE_MULTIPLIER
 
 
 def test_small_silos_keep_the_epochs_and_a_summed_batch_in_the_thousands():
@@ -67,7 +88,7 @@ def test_fedpower_privacy_recommend(capsys):
 
     assert main(["--recommend", "--client-sizes", "1667,1667,1667,1667,1666,1666", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["batch_size"] == 167 and out["overrides"]["train.batch-size"] == 167 and out["sizes"][0] == 1667
+    assert out["batch_size"] == 833 and out["overrides"]["train.batch-size"] == 833 and out["sizes"][0] == 1667
     assert main(["--recommend", "--client-sizes", "900,1200", "--epsilon", "3", "--epochs", "2"]) == 0
     text = capsys.readouterr().out
     assert "recommended (epsilon 3, delta 1e-05" in text and "why:" in text and "train.auto=true" in text
@@ -99,7 +120,14 @@ def test_train_auto_fills_the_plan_and_keeps_what_was_set(tmp_path, capsys):
     assert resolve_auto({"train.lr": 0.1}, set(), app_dir=tmp_path, num_supernodes=3) == {"train.lr": 0.1}
     cfg = parse_config({**base, "dp.level": "none"})  # non-private: the same compute as the private plan
     settings, lines = auto_settings(cfg, [200, 200, 200])
-    assert settings["train.batch-size"] == plan.batch_size and "the compute of the private plan" in lines[0]
+    assert settings["train.batch-size"] == plan.batch_size and "the epochs of the private plan" in lines[0]
+    # silos small enough for the noise rule: the non-private run keeps b0, at the private plan's epochs
+    small = [1666] * 6
+    private, non_private = recommend(small, 8.0, 1e-5), recommend(small, 8.0, 1e-5, private=False)
+    assert (private.batch_size, non_private.batch_size) == (833, 167)
+    assert non_private.epochs == private.epochs and "b0 kept" in " ".join(non_private.reasons)
+    settings, _ = auto_settings(cfg, small)
+    assert settings["train.batch-size"] == 167 and settings["num-server-rounds"] == non_private.rounds
     with pytest.raises(ValueError, match="DP-SGD on the silos"):
         auto_settings(parse_config({**base, "dp.noise-at": "server"}), [200, 200, 200])
 
