@@ -54,12 +54,16 @@ RECIPE_EPOCHS = 5.0
 RECIPE_RATE = 0.09  # b / n = 1,000 / 11,000
 RECIPE_LOCAL_STEPS = 4
 RECIPE_LR = 0.0175
-RECIPE_SUMMED_BATCH = 6000  # 6 silos x 1,000
+RECIPE_SILOS = 6
+RECIPE_BATCH = 1000
+RECIPE_SIGMA = 0.845  # calibrated for the recipe at epsilon 8, delta 1e-5
+RECIPE_SUMMED_BATCH = RECIPE_SILOS * RECIPE_BATCH
 MIN_SUMMED_BATCH = 1000
 MAX_RATE = 0.5
 #: The recipe's noise per coordinate of the averaged update, relative to the clip: σ / (b·√N).
-RECIPE_NOISE_RATIO = 0.845 / (1000 * math.sqrt(6))
-NOISE_RATIO_SLACK = 1.1
+RECIPE_NOISE_RATIO = RECIPE_SIGMA / (RECIPE_BATCH * math.sqrt(RECIPE_SILOS))
+#: A plan whose ratio is at most this (the recipe's, 10 % of slack) is not raised.
+NOISE_RATIO_LIMIT = 1.1 * RECIPE_NOISE_RATIO
 #: The sampling rates tried, in order, when b₀'s noise ratio is above the recipe's.
 RATE_GRID = (0.1, 0.125, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4, 0.45, 0.5)
 #: The median per-example gradient norm at the initial adapters, rounded down (RESULTS.md).
@@ -129,7 +133,7 @@ def recommend(sizes: list[int], epsilon: float, delta: float, *, epochs: float =
     n_min, silos = min(sizes), len(sizes)
     b_rate = round(RECIPE_RATE * n_min)
     b_sum = math.ceil(MIN_SUMMED_BATCH / silos)
-    b_cap = max(1, n_min // 2)
+    b_cap = max(1, int(MAX_RATE * n_min))  # q <= 0.5
     b0 = max(1, min(max(b_rate, b_sum), b_cap))
 
     def plan_at(b: int):
@@ -141,14 +145,15 @@ def recommend(sizes: list[int], epsilon: float, delta: float, *, epochs: float =
     steps, local, rounds, sigma, ratio = plan_at(b)
     ratio0 = ratio
     for rate in RATE_GRID if private else ():
-        if ratio <= RECIPE_NOISE_RATIO * NOISE_RATIO_SLACK or b >= b_cap:
+        if ratio <= NOISE_RATIO_LIMIT:
             break
-        candidate = min(b_cap, max(1, round(rate * n_min)))
-        if candidate > b:
-            raised = plan_at(candidate)
-            if raised[3] > MAX_NOISE_MULTIPLIER:  # a raise never turns a feasible plan into a refused one
-                break
-            b, (steps, local, rounds, sigma, ratio) = candidate, raised
+        candidate = min(b_cap, round(rate * n_min))
+        if candidate <= b:
+            continue
+        raised = plan_at(candidate)
+        if raised[3] > MAX_NOISE_MULTIPLIER:  # sigma: a raise never turns a feasible plan into a refused one
+            break
+        b, (steps, local, rounds, sigma, ratio) = candidate, raised
     q = b / n_min
     reasons = [
         f"epochs E = {epochs:g} of the smallest silo ({n_min} rows)",
@@ -158,7 +163,7 @@ def recommend(sizes: list[int], epsilon: float, delta: float, *, epochs: float =
          + ("" if b == b0 else f", raised from b0 to bring the noise per step to {ratio:.3g} "
             f"({ratio / RECIPE_NOISE_RATIO:.2g}x the recipe's)")
          + ("" if private else "; b0 kept: the noise rule answers the noise, and a non-private run has none")
-         + ("" if ratio <= RECIPE_NOISE_RATIO * NOISE_RATIO_SLACK or not private else
+         + ("" if ratio <= NOISE_RATIO_LIMIT or not private else
             "; still above the recipe's at q = 0.5: expect a gap to the non-private run at the same compute "
             "(more rows per silo or more silos close it; a larger epsilon lowers the noise but not the few steps q = 0.5 "
             "leaves: RESULTS.md, \"Other tasks\")")),
