@@ -36,6 +36,8 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
+from strategies import privacy_contract
+
 CONTROLS = ("none", "no-noise", "tenth-noise", "no-clip", "non-private")
 #: What each broken step removes (``non-private``: noise and clipping both, what a non-private run's
 #: step shows the auditor, the reference beside the private runs).
@@ -206,7 +208,7 @@ def run_white_box_audit(model, data, *, epsilon: float, delta: float, clip: floa
 
     device = device or next(model.parameters()).device
     n = len(data)
-    q = min(1.0, batch_size / n)
+    q = privacy_contract.sample_rate(batch_size, n)
     sigma = calibrate_noise_multiplier(q, local_steps * rounds, epsilon, delta, accountant)
     rng = np.random.default_rng([seed, 34034])  # the audit's own randomness (coins, canary sampling)
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -258,8 +260,8 @@ def run_federated_white_box_audit(cfg, *, silos: int, canaries: int, control: st
     audits, per = [], canaries // silos
     for shard in shards:
         audits.append(GradientCanaries(dirac_coordinates(trainable, per, rng), rng.random(per) < 0.5,
-                                       sample_rate=min(1.0, cfg["train.batch-size"] / shard.dp_size), scale=scale,
-                                       control=control, generator=rng))
+                                       sample_rate=privacy_contract.sample_rate(cfg["train.batch-size"], shard.dp_size),
+                                       scale=scale, control=control, generator=rng))
     params = None
     for rnd in range(1, cfg["num-server-rounds"] + 1):
         plan = engine.plan_for(rnd, list(range(silos)))
