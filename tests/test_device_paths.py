@@ -87,13 +87,26 @@ def test_the_float32_norm_optimizer_is_opacus_own_step_on_float32_gradients():
     assert all(torch.equal(a, b) for a, b in zip(*grads))
 
 
-def test_bf16_autocast_only_where_it_is_asked_for_or_native():
+def test_bf16_autocast_only_where_it_is_asked_for_or_native(monkeypatch):
+    """The "auto" precision follows the CUDA device's compute capability, mocked here: the real one
+    is read even where the conftest hides CUDA, so the test holds on a host with or without a GPU."""
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert not loops.uses_bf16(cpu, "auto") and loops.uses_bf16(cpu, "bf16") and not loops.uses_bf16(cpu, "fp32")
     assert not loops.uses_bf16(cuda, "fp32") and loops.uses_bf16(cuda, "bf16")
-    assert not loops.uses_bf16(cuda, "auto")  # no GPU visible here: never emulated
     with pytest.raises(ValueError, match="precision"):
         loops.uses_bf16(cpu, "fp16")
+
+    def no_device(device=None):
+        raise RuntimeError("no CUDA device")
+
+    try:
+        for capability, native in ((no_device, False), ((7, 5), False), ((8, 0), True), ((9, 0), True)):
+            read = capability if callable(capability) else (lambda device=None, c=capability: c)
+            monkeypatch.setattr(torch.cuda, "get_device_capability", read)
+            loops.cuda_has_native_bf16.cache_clear()
+            assert loops.uses_bf16(cuda, "auto") is native, capability  # never emulated below 8.0
+    finally:
+        loops.cuda_has_native_bf16.cache_clear()  # no mocked answer stays cached for later tests
 
 
 def test_evaluation_takes_the_runs_precision(monkeypatch):
