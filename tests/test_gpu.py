@@ -1,6 +1,7 @@
 """The product on a CUDA GPU: the server's releases, DP-SGD, whole runs of every method and a
 deployment whose SuperNodes share the GPU. Skipped without CUDA (CI has none);
-``benchmarks/gpu/run.sh`` runs them on a GPU machine: ``python -m pytest -m gpu tests/test_gpu.py``."""
+``benchmarks/gpu/run.sh`` runs them on a GPU machine, the slow one last:
+``python -m pytest -m "gpu and not slow" tests/test_gpu.py``, then ``-m "gpu and slow"``."""
 
 import json
 

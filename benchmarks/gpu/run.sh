@@ -1,22 +1,24 @@
 #!/usr/bin/env bash
-# One device session's work, within BUDGET_SECONDS: environment and the gpu tests, a throughput
-# probe of the GPU recipe, then one private SST-2 run sized to the time left. Run from the
-# repository root with .gpu-carry/ beside it (benchmarks/gpu/prepare.sh fills it).
+# One device session's work, within BUDGET_SECONDS: the environment, a fail-fast first step of the
+# product on the device (it stops the session when it fails), the gpu tests, a throughput probe of
+# the GPU recipe, one private SST-2 run sized to the time left, then the slow gpu tests if time is
+# left. Run from the repository root with .gpu-carry/ beside it (benchmarks/gpu/prepare.sh fills it).
 #
 #   bash benchmarks/gpu/run.sh BUDGET_SECONDS [--dry-run] [--strategy NAME] [--no-tests]
 #
 #   --dry-run       the same stages on a CPU with tiny data (task.max-train), tiny batches and at
 #                   most 2 rounds: checks the script end to end without a GPU
 #   --strategy      the run's method (default fedlora: the method of the measured epochs curve)
-#   --no-tests      skip the pytest stage
+#   --no-tests      skip the pytest stages
 #
 # Everything lands in $WORK/gpu-run (WORK default /tmp/fedpower-gpu), packed after every stage
 # into $OUT/gpu-run.tar.gz (OUT default ./gpu-out) beside $OUT/summary.txt and $OUT/run.log: three
 # files, so a kill at any point still leaves the stages done so far. The script stops by itself
 # before the budget (each stage under `timeout`, against one deadline) and prints the summary last.
+# What travels is read from $CARRY (default .gpu-carry in the repository root).
 set -uo pipefail
 
-usage() { sed -n '2,17p' "$0"; }
+usage() { sed -n '2,18p' "$0"; }
 BUDGET=""; DRY=0; STRATEGY=fedlora; TESTS=1
 while (( $# )); do
   case "$1" in
@@ -40,7 +42,7 @@ DEADLINE=$(( T0 + BUDGET - RESERVE ))
 OUT=${OUT:-$ROOT/gpu-out}
 WORK=${WORK:-/tmp/fedpower-gpu}
 R="$WORK/gpu-run"
-CARRY="$ROOT/.gpu-carry"
+CARRY=${CARRY:-$ROOT/.gpu-carry}
 PRESET=conf/sst2-dp-gpu.toml
 THREADS=${THREADS:-}
 mkdir -p "$OUT" "$WORK" || exit 1
@@ -57,7 +59,9 @@ pack() {
 }
 printf 'stage\trc\tseconds\tlimit_s\n' > "$R/stages.tsv"
 # stage NAME MAX_SECONDS MIN_SECONDS CMD...: run CMD under timeout min(MAX, time left), its output
-# to the console and $R/NAME.log; skipped when less than MIN_SECONDS are left.
+# to the console and $R/NAME.log; skipped when less than MIN_SECONDS are left. STAGE_RC holds the
+# command's exit status afterwards ("skipped" when it did not run).
+STAGE_RC=""
 stage() {
   local name=$1 max=$2 min=$3; shift 3
   local l; l=$(left)
@@ -65,6 +69,7 @@ stage() {
   if (( limit < min )); then
     echo "run.sh: [$name] skipped: ${l} s left, it needs at least ${min} s"
     printf '%s\tskipped\t0\t%s\n' "$name" "$limit" >> "$R/stages.tsv"
+    STAGE_RC=skipped
     return 0
   fi
   echo "run.sh: [$name] up to ${limit} s"
@@ -75,8 +80,30 @@ stage() {
   (( rc == 124 || rc == 137 )) && echo "run.sh: [$name] stopped at its limit of ${limit} s"
   echo "run.sh: [$name] rc $rc after ${took} s"
   printf '%s\t%s\t%s\t%s\n' "$name" "$rc" "$took" "$limit" >> "$R/stages.tsv"
+  STAGE_RC=$rc
   pack
   return 0
+}
+# finish: the summary (before any weights leave the pack: it checks the saved adapter), the pack,
+# and $OUT's copies; called at the end, and where the fail-fast stage stops the session.
+finish() {
+  python3 benchmarks/gpu/summarize.py "$R" --budget "$BUDGET" --elapsed "$(( $(date +%s) - T0 ))" > "$R/summary.txt" 2>&1 \
+    || echo "run.sh: the summary failed (see $R/summary.txt)"
+  pack
+  # Checkpoints, then weights, stay out of the pack when it would pass the tool's 16 MiB a file.
+  local size; size=$(stat -c %s "$OUT/gpu-run.tar.gz" 2>/dev/null || echo 0)
+  if (( size > 15 * 1024 * 1024 )); then
+    find "$R/runs" -name 'checkpoint.pt' -delete 2>/dev/null
+    echo "run.sh: the pack was $((size / 1048576)) MiB: checkpoints left out" | tee -a "$R/summary.txt"; pack
+    size=$(stat -c %s "$OUT/gpu-run.tar.gz" 2>/dev/null || echo 0)
+  fi
+  if (( size > 15 * 1024 * 1024 )); then
+    find "$R/runs" -name '*.safetensors' -delete 2>/dev/null
+    echo "run.sh: the pack was $((size / 1048576)) MiB: weights left out too" | tee -a "$R/summary.txt"; pack
+  fi
+  cp "$R/summary.txt" "$OUT/summary.txt"
+  echo "run.sh: $OUT holds $(ls "$OUT" | tr '\n' ' ')"
+  cat "$OUT/summary.txt"
 }
 
 # --- setup: packages, model, data -------------------------------------------------------------
@@ -110,15 +137,16 @@ if (( DRY )); then
   SETS=(--set task.max-train=600 --set task.validation-rows=150 --set task.max-eval=200
         --set train.batch-size=32 --set eval.batch-size=128)
   CASES=(--case 32 --case 8 --case 32:16)
-  PROBE_S=8; MAX_ROUNDS=2; TEST_MAX=60; PROBE_MAX=90
+  PROBE_S=8; MAX_ROUNDS=2; TEST_MAX=60; PROBE_MAX=90; FIRST_MAX=60
 else
   DEVICE=cuda; THREADS=${THREADS:-8}
   SETS=(); CASES=(); PROBE_S=60; MAX_ROUNDS=0
   TEST_MAX=$(( BUDGET / 4 < 150 ? BUDGET / 4 : 150 )); PROBE_MAX=$(( PROBE_S + 75 ))
+  FIRST_MAX=45   # the first step takes 20-30 s on a GPU (imports, CUDA's start, the model, 256 rows)
 fi
 MODEL_SET=(--set "model.name=\"$MODEL\"" --set "task.data-dir=\"$DATA\"")
 
-# --- a. environment and the gpu tests ---------------------------------------------------------
+# --- a. environment, the fail-fast first step and the gpu tests ---------------------------------
 environment() {
   date -u; uname -a; nproc; free -g 2>/dev/null | head -2
   command -v nvidia-smi >/dev/null && nvidia-smi || echo "no nvidia-smi"
@@ -141,9 +169,21 @@ EOF
 }
 export -f environment
 stage environment 60 5 bash -c environment
+# The product's code once on the device (first_step.py: the preset's model, the frozen-prefix cache
+# on 256 rows, one bf16 DP-SGD step, one evaluation). If that fails, everything after it would:
+# the session stops here with what it has, packed.
+stage first_step "$FIRST_MAX" 10 python3 -m benchmarks.gpu.first_step --preset "$PRESET" "${MODEL_SET[@]}" "${SETS[@]}" \
+  --device "$DEVICE" --threads "$THREADS" --json "$R/first_step.json"
+if [[ $STAGE_RC != 0 ]]; then
+  echo "run.sh: [first_step] did not pass (rc $STAGE_RC): the tests, the probe and the run are not started"
+  finish
+  exit 1
+fi
 if (( TESTS )); then
   if [[ -f tests/test_gpu.py ]]; then
-    stage tests "$TEST_MAX" 20 python3 -m pytest -q -rfEs --durations=10 -m gpu tests/test_gpu.py -p no:cacheprovider
+    # not the slow ones ("-m gpu" alone would override the default "not slow"): they run last
+    stage tests "$TEST_MAX" 20 python3 -m pytest -q -rA --durations=10 -m "gpu and not slow" tests/test_gpu.py \
+      -p no:cacheprovider
   else
     echo "run.sh: [tests] tests/test_gpu.py does not exist here: skipped"
     printf 'tests\tabsent\t0\t-\n' >> "$R/stages.tsv"
@@ -155,15 +195,14 @@ stage probe "$PROBE_MAX" 30 python3 -m benchmarks.gpu.probe --preset "$PRESET" "
   "${CASES[@]}" --device "$DEVICE" --seconds "$PROBE_S" --threads "$THREADS" --json "$R/probe.json" --profile "$R/profile.txt"
 
 # --- c. one private SST-2 run, sized to the time left ----------------------------------------
+# The plan picks the chunk (train.physical-batch-size) the probe found fastest per example at the
+# preset's b and sizes the rounds from that same case, with an overhead factor, so that the run
+# ends by itself: its planned rounds, its learning-rate schedule, its eps and its saved adapter.
 RUN_LEFT=$(left)
 ROUNDS=$(python3 benchmarks/gpu/size_run.py --preset "$PRESET" --probe "$R/probe.json" --seconds "$RUN_LEFT" \
          --max-rounds "$MAX_ROUNDS" --json "$R/run_plan.json" "${SETS[@]}")
 echo "run.sh: [sst2_run] plan: $(cat "$R/run_plan.json" 2>/dev/null)"
-# the run trains in the chunk the probe found fastest per example at its largest batch (train.physical-batch-size)
-CHUNK=$(python3 -c 'import json, sys
-cases = json.load(open(sys.argv[1]))["cases"]
-top = max(c["batch"] for c in cases)
-print(max((c for c in cases if c["batch"] == top), key=lambda c: c["examples_per_s"])["chunk"])' "$R/probe.json" 2>/dev/null)
+CHUNK=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1])).get("chunk"))' "$R/run_plan.json" 2>/dev/null)
 if [[ $CHUNK =~ ^[0-9]+$ ]]; then SETS+=(--set "train.physical-batch-size=$CHUNK"); echo "run.sh: [sst2_run] chunk $CHUNK"; fi
 if [[ $ROUNDS =~ ^[0-9]+$ ]] && (( ROUNDS >= 1 )); then
   NAME="sst2-${STRATEGY}-eps8-gpu-T${ROUNDS}"
@@ -175,17 +214,11 @@ else
   printf 'sst2_run\tskipped\t0\t%s\n' "$RUN_LEFT" >> "$R/stages.tsv"
 fi
 
-# --- d. summary and the pack ------------------------------------------------------------------
-# Weights and checkpoints stay out of the pack when it would pass the tool's 16 MiB a file.
-pack
-size=$(stat -c %s "$OUT/gpu-run.tar.gz" 2>/dev/null || echo 0)
-if (( size > 15 * 1024 * 1024 )); then
-  find "$R/runs" \( -name 'checkpoint.pt' -o -name '*.safetensors' \) -delete 2>/dev/null
-  echo "run.sh: the pack was $((size / 1048576)) MiB: checkpoints and weights left out"; pack
+# --- d. the slow gpu tests, with the time left ----------------------------------------------------
+if (( TESTS )) && [[ -f tests/test_gpu.py ]]; then
+  stage slow_tests "$(left)" 60 python3 -m pytest -q -rA --durations=10 -m "gpu and slow" tests/test_gpu.py \
+    -p no:cacheprovider
 fi
-python3 benchmarks/gpu/summarize.py "$R" --budget "$BUDGET" --elapsed "$(( $(date +%s) - T0 ))" > "$R/summary.txt" 2>&1 \
-  || echo "run.sh: the summary failed (see $R/summary.txt)"
-cp "$R/summary.txt" "$OUT/summary.txt"
-pack
-echo "run.sh: $OUT holds $(ls "$OUT" | tr '\n' ' ')"
-cat "$OUT/summary.txt"
+
+# --- e. summary and the pack ------------------------------------------------------------------
+finish

@@ -2,8 +2,11 @@
 
     python benchmarks/gpu/summarize.py /tmp/fedpower-gpu/gpu-run [--budget S] [--elapsed S]
 
-Reads stages.tsv, environment.log, tests.log, probe.json, run_plan.json and the run's results.json
-(runs/*/results.json); anything missing is reported as missing, never guessed.
+Reads stages.tsv, environment.log, first_step.json, tests.log, probe.json, run_plan.json, the run's
+results.json (runs/*/results.json) and slow_tests.log; anything missing is reported as missing,
+never guessed. Accuracies are the final round's: "validation" is results.json's
+``validation-from-train-accuracy`` (the rows carved from the train split), "dev" its
+``validation-accuracy`` (GLUE's dev split, the reporting split: no round is picked by it).
 """
 
 from __future__ import annotations
@@ -48,6 +51,21 @@ def environment_line(text: str) -> str:
     return "; ".join(parts)
 
 
+def first_step_line(report: dict | None) -> str:
+    if not report:
+        return "first step: no first_step.json"
+    v = report.get("versions", {})
+    head = (f"first step ({report.get('device_name', report.get('device', '?'))}; torch {v.get('torch')},"
+            f" transformers {v.get('transformers')}, peft {v.get('peft')}): ")
+    if "failed" in report:
+        return head + f"FAILED at {report['failed']['part']}: {report['failed']['error'][:300]}"
+    step, ev = report.get("step", {}), report.get("evaluation", {})
+    return head + (f"ok, forward in {report.get('forward')}; step loss {_fmt(step.get('loss'), '.4f')},"
+                   f" {step.get('tensors_moved')}/{step.get('tensors')} tensors moved; {ev.get('split')} accuracy"
+                   f" {_fmt(ev.get('accuracy'))} on {ev.get('rows')} rows; seconds "
+                   + ", ".join(f"{k} {t:.2f}" for k, t in report.get("parts", {}).items()))
+
+
 def tests_line(text: str) -> str:
     if not text:
         return "not run"
@@ -55,6 +73,27 @@ def tests_line(text: str) -> str:
     outcome = [ln for ln in lines if re.search(r"\b(passed|failed|skipped|error|errors|deselected|no tests ran)\b", ln)
                and re.search(r"\d", ln)]
     return outcome[-1] if outcome else (lines[-1] if lines else "no output")
+
+
+def completion_line(res: dict, run_dir: Path) -> str:
+    """Whether the run ended as planned: all its rounds (the learning-rate schedule spans them and
+    sigma is calibrated for them), its eps spent as planned, its adapter saved."""
+    rounds = len(res.get("rounds", []))
+    planned = (res.get("config") or {}).get("num-server-rounds")
+    spent = (res.get("privacy_final") or {}).get("epsilon_spent")
+    priv = res.get("privacy") or {}
+    target = priv.get("planned_epsilon", priv.get("epsilon"))
+    adapter = Path(res.get("adapter_dir") or run_dir / "adapter")
+    if not adapter.is_dir():
+        adapter = run_dir / "adapter"  # the folder unpacked elsewhere
+    saved = (adapter / "adapter_model.safetensors").is_file()
+    checks = {"rounds": planned is not None and rounds == planned,
+              "eps": spent is not None and target is not None and abs(spent - target) <= 1e-3 * max(1.0, target),
+              "adapter": saved}
+    ok = res.get("status") == "completed" and all(checks.values())
+    return (f"{'complete' if ok else 'NOT COMPLETE'}: status {res.get('status')}; rounds {rounds}/{planned}"
+            f" (the schedule {'ran to its end' if checks['rounds'] else 'did not end'}); eps spent"
+            f" {_fmt(spent)} of {_fmt(target)} planned; adapter {'saved' if saved else 'NOT saved'}")
 
 
 def run_lines(root: Path, plan: dict | None) -> list[str]:
@@ -68,7 +107,6 @@ def run_lines(root: Path, plan: dict | None) -> list[str]:
         cfg = res.get("config", {})
         planned = cfg.get("num-server-rounds")
         last = rounds[-1] if rounds else {}
-        best_dev = max((r.get("validation-accuracy") or 0 for r in rounds), default=None)
         wall = last.get("wall_seconds")
         per_round = None
         if len(rounds) >= 3 and rounds[0].get("wall_seconds") is not None and wall is not None:
@@ -81,10 +119,11 @@ def run_lines(root: Path, plan: dict | None) -> list[str]:
         out.append(f"run {path.parent.name}: {res.get('status')}, {len(rounds)}/{planned} rounds"
                    f" ({_fmt(epochs, '.1f')} epochs), {cfg.get('strategy.name')}, b {cfg.get('train.batch-size')},"
                    f" L {cfg.get('train.local-steps')}, sigma {_fmt(sigma, '.3f')}, device {cfg.get('device')}")
-        out.append(f"    final: validation {_fmt(last.get('validation-from-train-accuracy'))}, dev "
-                   f"{_fmt(last.get('validation-accuracy'))} (best dev {_fmt(best_dev)}); eps "
+        out.append(f"    final round: validation {_fmt(last.get('validation-from-train-accuracy'))}, dev "
+                   f"{_fmt(last.get('validation-accuracy'))}; eps "
                    f"{_fmt(pf.get('epsilon_spent', last.get('epsilon')), '.3f')}; wall {_fmt(wall, '.0f')} s,"
                    f" {_fmt(per_round, '.2f')} s a round after the first")
+        out.append("    " + completion_line(res, path.parent))
         if res.get("status") not in ("completed", None) and res.get("error"):
             out.append(f"    error: {str(res.get('error'))[:300]}")
         curve = [(r.get("server_round"), r.get("validation-accuracy")) for r in rounds
@@ -106,7 +145,8 @@ def main(argv=None) -> int:
     lines = ["=" * 100, "GPU session summary" + (f" (budget {a.budget:.0f} s, elapsed {a.elapsed:.0f} s)"
                                                  if a.budget is not None and a.elapsed is not None else "")]
     lines.append("environment: " + environment_line(_read(root / "environment.log")))
-    lines.append("tests (pytest -m gpu tests/test_gpu.py): " + tests_line(_read(root / "tests.log")))
+    lines.append(first_step_line(_json(root / "first_step.json")))
+    lines.append('tests (pytest -m "gpu and not slow" tests/test_gpu.py): ' + tests_line(_read(root / "tests.log")))
 
     probe = _json(root / "probe.json")
     if probe:
@@ -131,10 +171,11 @@ def main(argv=None) -> int:
         lines.append("probe: no probe.json")
     plan = _json(root / "run_plan.json")
     if plan:
-        lines.append(f"run plan: {plan.get('rounds')} rounds ({plan.get('reason')}; "
+        lines.append(f"run plan: {plan.get('rounds')} rounds in chunks of {plan.get('chunk')} ({plan.get('reason')}; "
                      f"{_fmt(plan.get('seconds_available'), '.0f')} s left, ~{_fmt(plan.get('seconds_per_round'), '.2f')} s a round"
-                     f" planned, {_fmt(plan.get('epochs'), '.1f')} epochs)")
+                     f" planned, {_fmt(plan.get('expected_seconds'), '.0f')} s in all, {_fmt(plan.get('epochs'), '.1f')} epochs)")
     lines += run_lines(root, plan)
+    lines.append('slow tests (pytest -m "gpu and slow" tests/test_gpu.py): ' + tests_line(_read(root / "slow_tests.log")))
     stages = _read(root / "stages.tsv").strip().splitlines()[1:]
     if stages:
         lines.append("stages (rc, seconds, limit): " + "; ".join(
