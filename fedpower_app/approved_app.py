@@ -348,6 +348,11 @@ def run_task(runtime_api_address: str, token: str, insecure: bool, certificates:
 # --------------------------------------------------------------------------------------------------
 
 
+def _is_unauthorized(exc: Exception) -> bool:
+    response = getattr(exc, "response", None)
+    return getattr(response, "status_code", None) == 401
+
+
 def _task_command(approved_apps: Path, runtime_api_address: str, token: str, insecure: bool,
                   root_certificates: str | None) -> list[str]:
     cmd = [sys.executable, "-m", "fedpower_app.approved_app", "task", "--approved-apps", str(approved_apps),
@@ -380,10 +385,17 @@ def serve(approved_apps: Path, runtime_api_address: str, insecure: bool, root_ce
         except ValueError as exc:
             raise ApprovedAppsError(f"--superexec-auth-secret-file: {exc}") from None
         interceptors.append(SuperExecAuthHttpInterceptor(master_secret=secret, protected_methods={_ACQUIRE_TASK_METHOD}))
+    retry_invoker = make_simple_http_retry_invoker()
+    flower_giveup = retry_invoker.should_giveup
+
+    def giveup(exc: Exception) -> bool:  # Flower's invoker interrupts its own process on a 401: say why instead
+        return _is_unauthorized(exc) or flower_giveup(exc)
+
+    retry_invoker.should_giveup = giveup
     client = RuntimeHttpClient.from_server_address(
         server_address=runtime_api_address, insecure=insecure,
         root_certificates=validate_and_resolve_root_certificates(root_certificates, insecure),
-        interceptors=interceptors, retry_invoker=make_simple_http_retry_invoker())
+        interceptors=interceptors, retry_invoker=retry_invoker)
     log(INFO, "%s: this silo runs only the app releases approved in %s (%d now: %s); it reads the file again for "
         "every message. SuperNode Runtime API %s", COMMAND, approved_apps, len(entries),
         "; ".join(f"{e.sha256[:12]} {e.note}".strip() for e in entries) or "none", runtime_api_address)
@@ -394,7 +406,14 @@ def serve(approved_apps: Path, runtime_api_address: str, insecure: bool, root_ce
     tasks: list[subprocess.Popen] = []
     try:
         while True:
-            res = client.AcquireTask(AcquireTaskRequest(supported_task_types=[TaskType.CLIENT_APP]))
+            try:
+                res = client.AcquireTask(AcquireTaskRequest(supported_task_types=[TaskType.CLIENT_APP]))
+            except Exception as exc:  # noqa: BLE001
+                if _is_unauthorized(exc):
+                    raise ApprovedAppsError(
+                        f"the SuperNode at {runtime_api_address} refused this runner (401 Unauthorized): give "
+                        "--superexec-auth-secret-file the secret file its flower-supernode was started with") from None
+                raise
             if res.HasField("task") and res.token:
                 tasks.append(subprocess.Popen(_task_command(approved_apps, runtime_api_address, res.token, insecure,
                                                             root_certificates)))
