@@ -4,8 +4,8 @@
 #                                                               # on the host, then a SuperLink + 2 SuperNodes
 #   docker run --rm --network=host fedpower flower-superlink --insecure --host 0.0.0.0 --port 8000 \
 #       --disable-runtime-dependency-installation
-#   docker run --rm --network=host fedpower flower-supernode --insecure --superlink <host>:8000 \
-#       --node-config 'partition-id=0 num-partitions=6'
+#   a silo (docs/deployment.md, "Docker"): its SuperNode with --isolation process, and beside it
+#   docker run --network=host ... fedpower fedpower-silo-app serve --approved-apps FILE --insecure ...
 # Build args: BASE_IMAGE (any Debian-like image with python3 >= 3.10 and its venv module; default the
 # public Python image), TORCH_VERSION, TORCH_INDEX (CPU wheels by default; .../whl/cu124 for CUDA,
 # together with ALLOW_CUDA=1).
@@ -62,7 +62,7 @@ RUN export PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PATH=/opt/venv/bin
     && mkdir -p /app/.flwr /app/.cache /app/outputs && chown -R 1000:1000 /app \
     && echo "/ is mode $(stat -c %a /)" && test "$(stat -c %a /)" != 700 \
     && setpriv --reuid=1000 --regid=1000 --clear-groups env HOME=/app FLWR_HOME=/app/.flwr sh -c \
-        'cd /app && flower-superlink --help >/dev/null && flower-supernode --help >/dev/null && fedpower-run --help >/dev/null' \
+        'cd /app && flower-superlink --help >/dev/null && flower-supernode --help >/dev/null && fedpower-run --help >/dev/null && fedpower-silo-app --help >/dev/null' \
     && mkdir -p /stage/opt && mv /opt/venv /stage/opt/venv && mv /app /stage/app
 
 FROM ${BASE_IMAGE}
