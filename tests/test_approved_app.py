@@ -296,6 +296,31 @@ def test_an_approved_fab_runs_its_own_code_and_an_unapproved_one_is_refused(tmp_
     assert outputs[0]["sub_status"] == "failed" and outputs[0]["details"] == A.server_reason(changed_hash)
 
 
+def test_serve_stops_with_one_line_on_a_bad_allow_list_or_a_refused_secret(tmp_path, monkeypatch, capsys):
+    import httpx
+
+    assert A.main(["serve", "--approved-apps", str(tmp_path / "nowhere"), "--insecure"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    allow = tmp_path / "approved-apps"
+    allow.write_text(f"{H1}\n")
+    request = httpx.Request("POST", "http://127.0.0.1:9094/v1/runtime/acquire-task")
+
+    class Refusing:  # a SuperNode started with another --superexec-auth-secret-file
+        def AcquireTask(self, _request):
+            raise httpx.HTTPStatusError("401", request=request, response=httpx.Response(401, request=request))
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr("flwr.supercore.runtime.RuntimeHttpClient.from_server_address", lambda **kw: Refusing())
+    monkeypatch.setattr(A, "log", lambda *a, **k: None)
+    monkeypatch.setattr("signal.signal", lambda *a: None)
+    assert A.main(["serve", "--approved-apps", str(allow), "--insecure"]) == 2
+    err = capsys.readouterr().err
+    assert err == ("fedpower-silo-app: the SuperNode at 127.0.0.1:9094 refused this runner (401 Unauthorized): give "
+                   "--superexec-auth-secret-file the secret file its flower-supernode was started with\n")
+
+
 # ------------------------------------------------------------------------------------------
 # real processes: a SuperLink, a guarded SuperNode (--isolation process + the runner), a plain one
 # ------------------------------------------------------------------------------------------
