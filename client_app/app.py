@@ -19,6 +19,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import math
 import time
 from functools import lru_cache
 from pathlib import Path
@@ -36,6 +37,7 @@ from fedpower_app.training.dp_sgd import DPSGDParams
 from fedpower_app.training.silo_round import train_round
 from fedpower_app.privacy.accounting.silo import SiloLedger, SiloRefusal, paid_params, silo_gate
 from fedpower_app.privacy.silo_policy import SiloPolicy
+from strategies.secure_sum.session import SumGuard
 from fedpower_app.training import evaluate as evaluate_model
 
 RUNTIME_RECORD = "runtime"  # reply record of where the ClientApp ran; not data, not a metric of it
@@ -86,8 +88,8 @@ def _setup(context: Context):
         num = int(context.node_config["num-partitions"])
     except KeyError as exc:
         raise RuntimeError(
-            "node config needs partition-id and num-partitions, or data-dir "
-            "(flower-supernode --node-config 'partition-id=0 num-partitions=6')"
+            "node config needs data-dir (a silo's own files: flower-supernode --node-config "
+            "'data-dir=\"/data/silo\" silo-id=0 dp-max-epsilon=8 ledger-file=\"/data/silo/ledger.json\"')"
         ) from exc
     task = D.load_task(cfg)
     model = M.cached_model(cfg, task.num_labels)
@@ -184,28 +186,38 @@ def _ledger_file(context: Context, cfg: RunConfig | None = None) -> Path | None:
     return policy_of(context, cfg).ledger_file
 
 
-def _load_ledger(context: Context, delta: float, accountant: str, cfg: RunConfig | None = None) -> tuple[SiloLedger, list]:
-    """The silo's ledger and the (run, round) releases it already paid for (seeded runs)."""
+def _read_ledger_payload(context: Context, cfg: RunConfig | None = None) -> dict | None:
+    """What this silo keeps about itself across runs: its ledger, the seeded releases it paid for and
+    the evaluate requests it answered; from its ledger file, else from the run's state (None: nothing yet)."""
     path = _ledger_file(context, cfg)
     if path is not None and path.exists():
         try:
             saved = json.loads(path.read_text())
-            ledger, paid = SiloLedger.from_state_dict(saved["ledger"]), list(saved.get("paid", []))
+            SiloLedger.from_state_dict(saved["ledger"])
+            return saved
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise SiloRefusal(f"refused: this silo's ledger file {path} cannot be read ({exc})") from None
-    else:
-        record = context.state.config_records.get(LEDGER_KEY)
-        if record is None:
-            return SiloLedger(delta, accountant), []
-        saved = json.loads(str(record["state"]))
-        ledger, paid = SiloLedger.from_state_dict(saved["ledger"]), list(saved.get("paid", []))
+    record = context.state.config_records.get(LEDGER_KEY)
+    return None if record is None else json.loads(str(record["state"]))
+
+
+def _load_ledger(context: Context, delta: float, accountant: str, cfg: RunConfig | None = None) -> tuple[SiloLedger, list]:
+    """The silo's one ledger (DP-SGD rounds and noise shares) and the (run, round) releases it already
+    paid for (seeded runs). ``accountant`` is the silo's own (its policy), used for a new ledger."""
+    saved = _read_ledger_payload(context, cfg)
+    if saved is None:
+        return SiloLedger(delta, accountant), []
+    ledger, paid = SiloLedger.from_state_dict(saved["ledger"]), list(saved.get("paid", []))
     if ledger.delta != delta:
         raise SiloRefusal(f"refused: this silo's ledger is kept at delta {ledger.delta:g}, not {delta:g}")
     return ledger, paid
 
 
-def _save_ledger(context: Context, ledger: SiloLedger, paid: list, cfg: RunConfig | None = None) -> None:
-    state = json.dumps({"ledger": ledger.state_dict(), "paid": paid})
+def _save_ledger(context: Context, ledger: SiloLedger, paid: list, cfg: RunConfig | None = None, *,
+                 evaluate_answers: int | None = None) -> None:
+    previous = _read_ledger_payload(context, cfg) or {}
+    answers = int(previous.get("evaluate-answers", 0)) if evaluate_answers is None else int(evaluate_answers)
+    state = json.dumps({"ledger": ledger.state_dict(), "paid": paid, "evaluate-answers": answers})
     context.state[LEDGER_KEY] = ConfigRecord({"state": state})
     path = _ledger_file(context, cfg)
     if path is not None:
@@ -309,7 +321,9 @@ def query(msg: Message, context: Context) -> Message:
     cfg, pid, num, _task, _model, _tok = _setup(context)
     _announce_policy(context, cfg)
     metrics = {"partition-id": pid}
-    if cfg["dp.level"] != "client":  # client-level accounting needs no shard size: the silo keeps it
+    # Client-level accounting needs no shard size, and a sovereign silo keeps it unless its node config
+    # says send-shard-size = true: it computes its own q and keeps its own ledger.
+    if cfg["dp.level"] != "client" and policy_of(context, cfg).sends_shard_size:
         metrics["num-examples"] = _shard(cfg, pid, num).dp_size  # the size it samples and accounts with
     return Message(RecordDict({"metrics": MetricRecord(metrics)}), reply_to=msg)
 
@@ -333,7 +347,7 @@ def train(msg: Message, context: Context) -> Message:
     distributed = params is None and _requests_noise(config)
     if (params is not None or policy.requires_dp) and not distributed:
         # The silo's own check, before its data is touched: it trusts only its own policy and ledger.
-        ledger, paid = _load_ledger(context, policy.delta, cfg["dp.accountant"], cfg)
+        ledger, paid = _load_ledger(context, policy.delta, policy.accountant, cfg)
         key = _release_key(cfg, server_round)
         inputs = _release_inputs(received, context) if key is not None else None
         sample_rate, charge = silo_gate(ledger, paid, key, params, shard.dp_size, max_epsilon=policy.max_epsilon,
@@ -354,11 +368,10 @@ def train(msg: Message, context: Context) -> Message:
         _save_ledger(context, ledger, paid, cfg)
     _keep_optimizer_carry(context, carry)
     if "secagg.request" in config:
-        # Secure aggregation: the adapters stay here; the reply is the first secure sum's keys.
-        context.state[SECURE_TRAINED_KEY] = ArrayRecord(reply_state(model, train_lora))
-        context.state[SECURE_GLOBAL_KEY] = ArrayRecord(received)  # a silo's round delta is against it
-        context.state[SECURE_PRIVATE_KEY] = ConfigRecord({"dp-sgd": ledger is not None})
-        content = _secure_sum_reply(json_request=str(config["secagg.request"]), context=context)
+        # Secure aggregation: the adapters stay here; the reply is the first secure sum's keys. The sums
+        # of this round are the only ones this trained state may enter (session.SumGuard).
+        content = begin_secure_round(context, server_round, reply_state(model, train_lora), received,
+                                     dp_sgd=ledger is not None, json_request=str(config["secagg.request"]))
     else:
         content = RecordDict({"arrays": ArrayRecord(reply_state(model, train_lora))})
     if policy.sends_metrics:
@@ -375,7 +388,22 @@ def train(msg: Message, context: Context) -> Message:
 
 
 SECURE_TRAINED_KEY, SECURE_STATE_KEY = "secagg-trained", "secagg-state"
-SECURE_GLOBAL_KEY, SECURE_PRIVATE_KEY, SECURE_LEDGER_KEY = "secagg-global", "secagg-private", "distributed-dp-ledger"
+SECURE_GLOBAL_KEY, SECURE_PRIVATE_KEY, SECURE_GUARD_KEY = "secagg-global", "secagg-private", "secagg-guard"
+
+
+def begin_secure_round(context: Context, server_round: int, trained: dict, received: dict, *, dp_sgd: bool,
+                       json_request: str) -> RecordDict:
+    """After training for ``server_round`` under secure aggregation: keep the trained adapters (they
+    never leave in the clear), the global state its round delta is against, whether DP-SGD trained
+    them, and a fresh ``SumGuard`` (only this round's sums may use this state); answer the first
+    sum's stage 1."""
+    guard = SumGuard()
+    guard.start_round(server_round)
+    context.state[SECURE_GUARD_KEY] = ConfigRecord({"state": guard.to_json()})
+    context.state[SECURE_TRAINED_KEY] = ArrayRecord(trained)
+    context.state[SECURE_GLOBAL_KEY] = ArrayRecord(received)  # a silo's round delta is against it
+    context.state[SECURE_PRIVATE_KEY] = ConfigRecord({"dp-sgd": bool(dp_sgd)})
+    return _secure_sum_reply(json_request=json_request, context=context)
 
 
 def _requests_noise(config) -> bool:
@@ -392,29 +420,44 @@ def _requests_noise(config) -> bool:
 
 def _charge_noise_share(context: Context, request: dict) -> None:
     """Before a masked input with a noise share leaves: this silo's own check of the release against
-    its budget, at its own k (never more than the sum's threshold less the colluders it assumes:
-    node config secagg-colluders), and its ledger charged. Refuses past its budget."""
-    from fedpower_app.privacy.accounting.distributed import epsilon_of
-    from fedpower_app.privacy.distributed import silo_release_epsilon
-    from strategies.secure_sum.distributed_dp import ORDERS
+    its budget, in its one ledger (with its DP-SGD rounds, across runs), at the k it accounts at
+    (``SiloPolicy.noise_share_contributors``: what the sum can prove, never more). Refuses past its
+    budget."""
+    from strategies.secure_sum.session import SecureSumConfig
 
     cfg = silo_run_config(context)
     policy = policy_of(context, cfg)
     config = request["config"]
-    colluders = max(int(context.node_config.get("secagg-colluders", 0)), int(cfg["secagg.colluders"]))
-    record = context.state.config_records.get(SECURE_LEDGER_KEY)
-    rdp = json.loads(str(record["rdp"])) if record is not None else [0.0] * len(ORDERS)
     try:
-        new_rdp, eps = silo_release_epsilon(rdp, noise=config["noise"], dimension=int(config["size"]),
-                                            threshold=int(config["threshold"]), colluders=colluders,
-                                            delta=policy.delta)
+        noise = config["noise"]
+        threshold = SecureSumConfig.from_dict(config).threshold
+        k = policy.noise_share_contributors(threshold, int(noise["contributors"]), int(cfg["secagg.colluders"]))
+        share = (float(noise["clip"]), float(noise["scale"]), float(noise["local-std"]), int(config["size"]), k)
+        if not (math.isfinite(share[2]) and share[2] >= 0.5):
+            raise ValueError("the noise share's std must be >= 1/2 integer unit")
     except (KeyError, TypeError, ValueError) as exc:
         raise SiloRefusal(f"refused: malformed noise parameters ({exc})") from None
+    ledger, paid = _load_ledger(context, policy.delta, policy.accountant, cfg)
+    eps = ledger.epsilon_if_share(share)
     if eps > policy.max_epsilon * (1 + 1e-9):
-        raise SiloRefusal(f"refused: this noise share would take this silo to eps {eps:.3f} > its budget "
-                          f"{policy.max_epsilon:g} (spent {epsilon_of(rdp, policy.delta) if any(rdp) else 0.0:.3f})")
-    context.state[SECURE_LEDGER_KEY] = ConfigRecord({"rdp": json.dumps([float(x) for x in new_rdp]),
-                                                    "epsilon": float(eps)})
+        raise SiloRefusal(f"refused: this noise share, accounted at k = {k} unknown shares, would take this silo to "
+                          f"eps {eps:.3f} > its budget {policy.max_epsilon:g} (spent {ledger.epsilon():.3f})"
+                          + ("; an unsigned sum proves no other silo's share: sign with node config silo-signing-key "
+                             "and secagg-peers" if policy.sovereign and not policy.signs else ""))
+    ledger.record_share(share)
+    _save_ledger(context, ledger, paid, cfg)
+
+
+def _secure_identity(policy: SiloPolicy):
+    """(identity, trusted silos) of a silo that signs its secure sums, else (None, None)."""
+    if not policy.signs:
+        return None, None
+    from strategies.secure_sum.identity import IdentityError, SiloIdentity, TrustedSilos
+
+    try:
+        return SiloIdentity.from_file(policy.signing_key), TrustedSilos.from_file(policy.peers_file)
+    except IdentityError as exc:
+        raise SiloRefusal(f"refused: {exc}") from None
 
 
 def _secure_sum_reply(context: Context, *, json_request: str | None = None, request=None) -> RecordDict:
@@ -447,8 +490,14 @@ def _secure_sum_reply(context: Context, *, json_request: str | None = None, requ
             _charge_noise_share(context, req)  # the last check before the share leaves
         return vector
 
-    reply, saved = client_step(int(context.node_id), request, saved, input_fn)
+    policy = policy_of(context, silo_run_config(context))
+    identity, trusted = _secure_identity(policy)
+    guard_record = context.state.config_records.get(SECURE_GUARD_KEY)
+    guard = SumGuard.from_json(str(guard_record["state"]) if guard_record is not None else None)
+    reply, saved = client_step(int(context.node_id), request, saved, input_fn, identity=identity, trusted=trusted,
+                               guard=guard)
     context.state[SECURE_STATE_KEY] = ConfigRecord({"state": saved})
+    context.state[SECURE_GUARD_KEY] = ConfigRecord({"state": guard.to_json()})
     return pack(reply)
 
 
@@ -460,7 +509,6 @@ def secure_sum_stage(msg: Message, context: Context) -> Message:
     return Message(_secure_sum_reply(context, request=unpack(msg.content)), reply_to=msg)
 
 
-EVALUATE_COUNT_KEY = "evaluate-answers"
 
 
 @app.evaluate()
@@ -470,14 +518,19 @@ def evaluate(msg: Message, context: Context) -> Message:
     cfg, pid, num, _task, model, _tok = _setup(context)
     policy = policy_of(context, cfg)
     _announce_policy(context, cfg)
-    record = context.state.config_records.get(EVALUATE_COUNT_KEY)
-    answered = int(record["count"]) if record is not None else 0
+    # Answers are counted across runs in the silo's ledger file (the run's state when it keeps none).
+    saved = _read_ledger_payload(context, cfg)
+    answered = int(saved.get("evaluate-answers", 0)) if saved is not None else 0
     policy.check_evaluate(answered)
     M.load_adapter_state(model, msg.content["arrays"].to_torch_state_dict())
     device = next(model.parameters()).device
     res = evaluate_model(model, _eval_shard(cfg, pid, num), batch_size=cfg["eval.batch-size"], device=device,
                          precision=cfg["train.precision"])
-    context.state[EVALUATE_COUNT_KEY] = ConfigRecord({"count": answered + 1})
+    if saved is not None:
+        ledger, paid = SiloLedger.from_state_dict(saved["ledger"]), list(saved.get("paid", []))
+    else:
+        ledger, paid = SiloLedger(policy.delta, policy.accountant), []
+    _save_ledger(context, ledger, paid, cfg, evaluate_answers=answered + 1)
     # accuracy, loss and the count only: the majority baseline would tell the silo's label mix
     return Message(RecordDict({"metrics": MetricRecord({k: res[k] for k in ("accuracy", "loss", "num-examples")})}),
                    reply_to=msg)

@@ -33,7 +33,7 @@ from . import mechanisms as MECH
 from .releases import Release
 from .secure_sum import contributions as C
 from .secure_sum.power import powerdp_l_through_sums, refactorize_through_sums
-from .secure_sum.protocol import SecureSumRefused
+from .secure_sum.protocol import SecureSumConfig, SecureSumRefused
 from .secure_sum.session import SecureAggregation, SumOutcome, Transport, encode, run_secure_sum
 
 log = logging.getLogger("fedpower")
@@ -59,6 +59,11 @@ def unsupported_reason(engine) -> str | None:
     return None
 
 
+def out_survivors_shrank(outcomes) -> bool:
+    """Did a sum of the round end with fewer survivors than the first?"""
+    return any(len(o.survivors) != len(outcomes[0].survivors) for o in outcomes[1:])
+
+
 class SecureRound:
     """The secure sums of one round: the first is announced in the train message, the rest follow."""
 
@@ -79,6 +84,7 @@ class SecureRound:
         self.kind = kinds[round_type]
         size = C.vector_size(self.kind, shapes, engine.modules, engine.rank,
                              engine.extras if self.kind.startswith("power-right") else ())
+        self.outcomes: list[SumOutcome] = []
         self.first = self._config(self.nodes, size) if len(self.nodes) >= 2 else None
         self.q0 = None
         if self.kind == "power-right":
@@ -89,11 +95,25 @@ class SecureRound:
             for g in engine.ctx.groups:
                 draw = torch.randn((len(g.names), engine.rank, g.n), generator=gen, dtype=engine.ctx.dtype)
                 self.q0.update({name: draw[j] for j, name in enumerate(g.names)})
-        self.outcomes: list[SumOutcome] = []
         self.sum_fn = None  # (config, masked-input request) -> SumOutcome: replaces the protocol (audits)
 
     def _config(self, nodes, size):
-        return self.settings.config_for(nodes, size, os.urandom(16))
+        """The round's first sum: the cohort, t from its size, a fresh graph seed, the sum's name."""
+        return self.settings.config_for(nodes, size, os.urandom(16), label=self._label())
+
+    def _later_config(self, size):
+        """A later sum of the round: over exactly the first sum's survivors, at the first sum's t (the
+        silos refuse anything else: ``session.SumGuard``)."""
+        first = self.outcomes[0]
+        if len(first.survivors) < self.first.threshold:
+            raise SecureSumRefused(f"only {len(first.survivors)} silo(s) left for the round's next secure sum")
+        return SecureSumConfig(nodes=tuple(first.survivors), size=size + 1, bits=self.first.bits,
+                               threshold=self.first.threshold, degree=self.first.degree if self.first.degree and
+                               self.first.degree < len(first.survivors) - 1 else 0,
+                               graph_seed=os.urandom(16), label=self._label())
+
+    def _label(self) -> str:
+        return f"{self.server_round}/{self.kind}/{len(self.outcomes)}"
 
     def train_request(self) -> str | None:
         """The first sum's stage-1 request, carried in the train message's config (JSON)."""
@@ -168,10 +188,11 @@ class SecureRound:
             if cohort["nodes"] is None:
                 out = self._sum(transport, self.first, extra, advertised)
             else:
-                if len(cohort["nodes"]) < 2:
-                    raise SecureSumRefused(f"only {len(cohort['nodes'])} silo(s) left for the next secure sum of the round")
+                if out_survivors_shrank(self.outcomes):
+                    raise SecureSumRefused("a later secure sum of the round lost silos: every sum of a round runs over "
+                                           "the first sum's survivors, so the round is refused")
                 size = C.vector_size(kind, shapes, engine.modules, engine.rank, extras)
-                out = self._sum(transport, self._config(cohort["nodes"], size), extra)
+                out = self._sum(transport, self._later_config(size), extra)
             cohort["nodes"] = out.survivors
             return out.total / denominator(out)
 

@@ -474,7 +474,7 @@ def _run(tmp_path, node_config=None, **overrides):
 
 def test_silo_with_its_own_budget_refuses_a_non_private_run(tmp_path):
     # The server runs without DP; the silos demand DP-SGD (node config): every reply is a refusal.
-    res, _ = _run(tmp_path, node_config={"dp-max-epsilon": 4.0}, **{"num-server-rounds": 1, "dp.level": "none"})  # non-private: all shown
+    res, _ = _run(tmp_path, node_config={"dp-max-epsilon": 4.0, "ledger-file": "memory"}, **{"num-server-rounds": 1, "dp.level": "none"})  # non-private: all shown
     row = res["rounds"][0]
     assert row["sampled"] == 2 and row["aggregated"] == 0 and len(row["dropped"]) == 2
     assert all("no DP-SGD parameters" in d["reason"] for d in row["dropped"])
@@ -483,7 +483,7 @@ def test_silo_with_its_own_budget_refuses_a_non_private_run(tmp_path):
 def test_silo_stops_at_its_own_budget_even_if_the_server_plans_more(tmp_path):
     # The server's budget is 8; each silo's own is smaller and it refuses once a round would cross.
     # n = 120, b = 16, L = 2, sigma = 2: eps 0.75 after one round, 1.03 after three.
-    res, grid = _run(tmp_path, node_config={"dp-max-epsilon": 1.0, "dp-noise": "seeded"},
+    res, grid = _run(tmp_path, node_config={"dp-max-epsilon": 1.0, "dp-noise": "seeded", "ledger-file": "memory"},
                      **{"num-server-rounds": 3, "dp.noise-multiplier": 2.0, "dp.epsilon": 50.0,
                         "dp.diagnostics": "released"})
     aggregated = [r["aggregated"] for r in res["rounds"]]

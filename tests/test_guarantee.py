@@ -74,13 +74,16 @@ def test_released_diagnostics_are_shown_and_marked_not_covered(tmp_path):
 
 
 def test_silos_send_no_training_metrics_under_dp_unless_told():
+    from fedpower_app.privacy.silo_policy import simulation_engine
+
     ctx = Context(run_id=1, node_id=5, node_config={}, state=RecordDict(), run_config={})
     private = parse_config({"dp.level": "sample"})
-    assert C._sends_train_metrics(ctx, private) is False
-    assert C._sends_train_metrics(ctx, parse_config({"dp.level": "none"})) is True
-    assert C._sends_train_metrics(ctx, parse_config({"dp.diagnostics": "released"})) is True
-    ctx.node_config["send-metrics"] = "false"  # the silo's own word wins
-    assert C._sends_train_metrics(ctx, parse_config({"dp.diagnostics": "released"})) is False
+    with simulation_engine():  # a partition the simulation engine made: the run config speaks for its owner
+        assert C._sends_train_metrics(ctx, private) is False
+        assert C._sends_train_metrics(ctx, parse_config({"dp.level": "none"})) is True
+        assert C._sends_train_metrics(ctx, parse_config({"dp.diagnostics": "released"})) is True
+        ctx.node_config["send-metrics"] = "false"  # the silo's own word wins
+        assert C._sends_train_metrics(ctx, parse_config({"dp.diagnostics": "released"})) is False
 
 
 # -- 2. a printed guarantee is a valid one ---------------------------------------------------------
@@ -117,9 +120,9 @@ def test_a_seeded_run_says_reproducible_mode_in_results_and_console(tmp_path, ca
 
 def test_a_silo_with_a_budget_keeps_its_own_delta():
     raised = parse_config({"dp.delta": 0.1})
-    required, eps, delta = C.silo_policy(raised, {"dp-max-epsilon": 8.0})
+    required, eps, delta = C.silo_policy(raised, {"dp-max-epsilon": 8.0, "ledger-file": "memory"})
     assert required and eps == 8.0 and delta == SILO_DEFAULT_DELTA == 1e-5
-    assert C.silo_policy(raised, {"dp-max-epsilon": 8.0, "dp-delta": 1e-6})[2] == 1e-6
+    assert C.silo_policy(raised, {"dp-max-epsilon": 8.0, "dp-delta": 1e-6, "ledger-file": "memory"})[2] == 1e-6
     # The numbers: n_k 50,000, b 500, L 2, sigma 0.444. At delta 0.1 a silo would admit
     # hundreds of rounds; at its own 1e-5 it admits 8.
     params = DPSGDParams(0.444, 0.05, 500, 2)
@@ -189,8 +192,10 @@ def test_the_client_app_refuses_a_replay_with_sigma_zero(tmp_path):
 
 def test_a_silo_without_a_ledger_file_says_so_at_start(caplog):
     cfg = parse_config({"dp.noise-at": "silo"})
+    from fedpower_app.privacy.silo_policy import simulation_engine
+
     ctx = Context(run_id=424242, node_id=3, node_config={}, state=RecordDict(), run_config={})
-    with caplog.at_level(logging.WARNING, logger="fedpower"):
+    with caplog.at_level(logging.WARNING, logger="fedpower"), simulation_engine():
         C._warn_if_ledger_is_per_run(ctx, cfg)
         C._warn_if_ledger_is_per_run(ctx, cfg)
     warnings = [r for r in caplog.records if "ledger lives in this run's state only" in r.getMessage()]
@@ -198,7 +203,8 @@ def test_a_silo_without_a_ledger_file_says_so_at_start(caplog):
     caplog.clear()
     ctx2 = Context(run_id=424243, node_id=3, node_config={"ledger-file": "/tmp/x.json"}, state=RecordDict(),
                    run_config={})
-    C._warn_if_ledger_is_per_run(ctx2, cfg)
+    with simulation_engine():
+        C._warn_if_ledger_is_per_run(ctx2, cfg)
     assert not caplog.records
 
 

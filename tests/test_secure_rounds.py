@@ -8,7 +8,7 @@ import pytest
 import torch
 from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
 
-from client_app.app import SECURE_GLOBAL_KEY, SECURE_TRAINED_KEY, _secure_sum_reply, secure_sum_stage
+from client_app.app import begin_secure_round, secure_sum_stage
 from fedpower_app.runs.inprocess_grid import InProcessGrid
 from strategies.flower import build_strategy
 from strategies.noise import NoiseSource
@@ -57,9 +57,9 @@ def client(fail=None):
         state = trained_state(msg, context, config["train-lora"] == "AB")
         metrics = MetricRecord({"num-examples": 10, "train-loss": 0.5})
         if "secagg.request" in config:
-            context.state[SECURE_TRAINED_KEY] = ArrayRecord(state)
-            context.state[SECURE_GLOBAL_KEY] = ArrayRecord(msg.content["arrays"].to_torch_state_dict())
-            content = _secure_sum_reply(context, json_request=str(config["secagg.request"]))
+            content = begin_secure_round(context, int(config["server-round"]), state,
+                                         msg.content["arrays"].to_torch_state_dict(), dp_sgd=False,
+                                         json_request=str(config["secagg.request"]))
             content["metrics"] = metrics
             return Message(content, reply_to=msg)
         return Message(RecordDict({"arrays": ArrayRecord(state), "metrics": metrics}), reply_to=msg)
@@ -259,7 +259,7 @@ class ServerClip:
         return 0.0
 
 
-NO_BUDGET = {"dp-max-epsilon": 1e300}
+NO_BUDGET = {"dp-max-epsilon": 1e300, "ledger-file": "memory"}
 
 
 def client_level(name, privacy, secure, **kw):
@@ -296,7 +296,7 @@ def test_distributed_dp_sum_carries_the_shares_noise():
 def test_silo_refuses_a_share_past_its_budget():
     # a share of std 1/2 at C s = 1e6: epsilon in the millions, far past any budget
     s = client_level("fedlora", SharesPrivacy(1.0, 1e6, 0.5, 4), True)
-    grid = InProcessGrid(client(), 6, run_config=_run_config(), node_config={"dp-max-epsilon": 8})
+    grid = InProcessGrid(client(), 6, run_config=_run_config(), node_config={"dp-max-epsilon": 8, "ledger-file": "memory"})
     s.start(grid=grid, initial_arrays=ArrayRecord(s.global_state), num_rounds=1)
     rep = s.reports[0]
     assert not rep.released and "threshold" in rep.secure_refused

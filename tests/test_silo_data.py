@@ -159,11 +159,12 @@ def test_the_silo_answers_a_bad_data_dir_with_its_one_line_reason(tmp_path, tiny
         logged = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
         assert any(m.startswith("silo data: ") and expected[-1] in m for m in logged), (case, logged)
     good = silo_dir(tmp_path, "good", HEADER + tsv_rows(23, 4))
-    reply = _query(run_config, {"data-dir": str(good), "silo-id": 5})
+    own = {"dp-max-epsilon": 8, "send-shard-size": "true"}
+    reply = _query(run_config, {"data-dir": str(good), "silo-id": 5, **own})
     assert not reply.has_error(), reply.error.reason if reply.has_error() else ""
     metrics = reply.content.metric_records["metrics"]
     assert metrics["num-examples"] == 23 and metrics["partition-id"] == 5  # the silo names itself by silo-id
-    reply = _query(run_config, {"data-dir": str(good), "silo-id": "first"})
+    reply = _query(run_config, {"data-dir": str(good), "silo-id": "first", **own})
     assert reply.has_error() and "silo-id must be an integer >= 0, got 'first'" in reply.error.reason
 
 
@@ -192,7 +193,8 @@ def make_silos(root: Path) -> tuple[list[Path], Path]:
 
 
 def silo_node_config(silo: Path, k: int) -> dict:
-    return {"data-dir": str(silo), "silo-id": k, "ledger-file": str(silo / "ledger.json"), "dp-max-epsilon": 8.0}
+    return {"data-dir": str(silo), "silo-id": k, "ledger-file": str(silo / "ledger.json"), "dp-max-epsilon": 8.0,
+            "send-shard-size": "true"}
 
 
 def check_silo_ledgers(silos: list[Path], rounds: int, local_steps: int, batch_size: int, delta: float = 1e-5):

@@ -53,7 +53,7 @@ def test_the_policy_defaults_are_safe_for_a_silo_of_its_own_and_follow_the_run_f
     assert own.sovereign and own.requires_dp and own.max_epsilon == 4 and own.delta == 1e-5
     assert not own.reproducible and not own.sends_metrics and not own.evaluates
     assert own.ledger_file == tmp_path / DEFAULT_LEDGER_NAME
-    simulated = SiloPolicy.from_node_config(SIM, seeded_released)
+    simulated = SiloPolicy.from_node_config(SIM, seeded_released, simulated=True)
     assert not simulated.sovereign and simulated.reproducible and simulated.sends_metrics and simulated.evaluates
     assert simulated.ledger_file is None
     opted = SiloPolicy.from_node_config({"dp-max-epsilon": 4, "dp-noise": "seeded", "send-metrics": "true",
@@ -63,9 +63,9 @@ def test_the_policy_defaults_are_safe_for_a_silo_of_its_own_and_follow_the_run_f
     assert opted.ledger_file is None and opted.ledger_in_memory_chosen
     assert "NOT covered" in opted.describe() and "ledger-file = \"memory\"" in opted.describe()
     with pytest.raises(SiloRefusal, match="not a boolean"):
-        SiloPolicy.from_node_config({"send-metrics": "maybe"}, seeded_released)
+        SiloPolicy.from_node_config({"send-metrics": "maybe"}, seeded_released, simulated=True)
     with pytest.raises(SiloRefusal, match="dp-noise"):
-        SiloPolicy.from_node_config({"dp-noise": "weak"}, seeded_released)
+        SiloPolicy.from_node_config({"dp-noise": "weak"}, seeded_released, simulated=True)
 
 
 def test_a_budgeted_silo_refuses_a_seeded_round_unless_its_node_config_opts_in(tmp_path):

@@ -218,7 +218,7 @@ def test_a_silo_refuses_bad_rows_without_naming_a_row(tmp_path, tiny_model_dir, 
     assert any(f"{silo / 'train.csv'}:8: column 3 ('sentiment'): unknown label 'secret-label'" in m for m in logged)
     good = tmp_path / "good"
     write(good / "train.tsv", review_rows(23))
-    reply = _query(run_config, {"data-dir": str(good), "silo-id": 2})
+    reply = _query(run_config, {"data-dir": str(good), "silo-id": 2, "dp-max-epsilon": 8, "send-shard-size": "true"})
     assert not reply.has_error(), reply.error.reason
     assert reply.content.metric_records["metrics"]["num-examples"] == 23
 

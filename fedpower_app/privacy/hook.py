@@ -213,20 +213,29 @@ class SiloDPSGD(PlanAndCommit):
         self.head_noise_ratio = cfg["dp.head-noise-ratio"] if self.head_clip else 0.0
         self.silos = list(client_sizes)  # population order: silo i is self.silos[i]
         self.sizes = dict(client_sizes)
-        self.rates = {node: sample_rate(self.batch_size, n) for node, n in client_sizes.items()}
+        # A silo of its own may withhold its size (n = 0 here): it samples and accounts with its own n, and
+        # its own ledger decides; the server neither plans nor tracks its rate.
+        self.rates = {node: sample_rate(self.batch_size, n) if n > 0 else None for node, n in client_sizes.items()}
+        known = [q for q in self.rates.values() if q is not None]
         planned_steps = self.local_steps * self.num_rounds
         if cfg["dp.noise-multiplier"] > 0:
             self.source, self.sigma = "noise-multiplier", float(cfg["dp.noise-multiplier"])
-        else:
+        elif known:
             self.source = "calibrated"
-            self.sigma = calibrate_noise_multiplier(max(self.rates.values()), planned_steps, self.epsilon_target,
+            self.sigma = calibrate_noise_multiplier(max(known), planned_steps, self.epsilon_target,
                                                     self.delta, self.accountant)
-        self.planned_epsilon = max(dp_sgd_epsilon([(q, self.sigma, planned_steps)], self.delta, self.accountant)
-                                   for q in set(self.rates.values()))
+        else:
+            raise ValueError("every silo withholds its shard size, so the server cannot calibrate sigma: set "
+                             "dp.noise-multiplier (fedpower-privacy --recommend --client-sizes with the sizes the "
+                             "silos declare), or the silos send theirs (node config send-shard-size = true)")
+        self.planned_epsilon = (max(dp_sgd_epsilon([(q, self.sigma, planned_steps)], self.delta, self.accountant)
+                                    for q in set(known)) if known else None)
         self.ledgers = {node: SiloLedger(self.delta, self.accountant) for node in self.silos}
 
     # -- PrivacyHook ------------------------------------------------------------------------
     def _epsilon_after_one_more(self, node: int) -> float:
+        if self.rates[node] is None:  # a silo that withheld its size: its own ledger decides
+            return 0.0
         return self.ledgers[node].epsilon_if(self.rates[node], self.sigma, self.local_steps)
 
     def admit(self, nodes: list[int], server_round: int) -> list[int]:
@@ -249,7 +258,8 @@ class SiloDPSGD(PlanAndCommit):
     def record_sent(self, nodes: list[int], server_round: int) -> None:
         # Counted when sent: a silo that trained and whose reply was lost still used its data.
         for node in nodes:
-            self.ledgers[node].record(self.rates[node], self.sigma, self.local_steps)
+            if self.rates.get(node) is not None:
+                self.ledgers[node].record(self.rates[node], self.sigma, self.local_steps)
 
     def noise_stds(self, round_type: str, num_clients: int) -> list[float]:
         return [0.0, 0.0]
@@ -294,13 +304,16 @@ class SiloDPSGD(PlanAndCommit):
         """The silos of a round lost in flight released noised updates nobody can reproduce."""
         for i in silos:
             node = self.silos[i]
-            self.ledgers[node].record(self.rates[node], self.sigma, self.local_steps)
+            if self.rates[node] is not None:
+                self.ledgers[node].record(self.rates[node], self.sigma, self.local_steps)
 
     # -- reporting ---------------------------------------------------------------------------
     def silo_table(self) -> list[dict[str, Any]]:
-        return [{"silo": i, "node": int(node), "n": self.sizes[node], "q": self.rates[node], "sigma": self.sigma,
-                 "local_steps": self.local_steps, "rounds_trained": self.ledgers[node].rounds,
-                 "epsilon": self.ledgers[node].epsilon()} for i, node in enumerate(self.silos)]
+        return [{"silo": i, "node": int(node), "n": self.sizes[node] if self.rates[node] is not None else "withheld",
+                 "q": self.rates[node], "sigma": self.sigma, "local_steps": self.local_steps,
+                 "rounds_trained": self.ledgers[node].rounds,
+                 "epsilon": self.ledgers[node].epsilon() if self.rates[node] is not None else "in the silo's own ledger"}
+                for i, node in enumerate(self.silos)]
 
     def describe(self) -> dict[str, Any]:
         return {"source": self.source, "mechanism": "dp-sgd on the silos (Opacus)", "level": "sample",
@@ -332,7 +345,8 @@ class SiloDPSGD(PlanAndCommit):
         return dp_sgd_noise_stds(self.sigma, self.clip_norm, self.head_clip, self.head_noise_ratio)
 
     def summary_lines(self) -> list[str]:
-        q = max(self.rates.values())
+        known = [r for r in self.rates.values() if r is not None]
+        q = max(known) if known else None
         if self.head_noise_ratio:
             from strategies.mechanisms import dp_sgd_group_multipliers
 
@@ -353,10 +367,11 @@ class SiloDPSGD(PlanAndCommit):
             f"privacy: sample-level DP by DP-SGD on the silos, target (eps={self.epsilon_target:g}, "
             f"delta={self.delta:g}), accountant {self.accountant}",
             f"privacy: sigma={self.sigma:.4f} ({self.source}), per-example clip C={self.clip_norm:g}, b={self.batch_size}, "
-            f"L={self.local_steps}, max q={q:.5f}",
+            f"L={self.local_steps}, " + (f"max q={q:.5f}" if q is not None else "q: each silo's own (sizes withheld)"),
             noise_line,
-            f"privacy: a silo that trains all T={self.num_rounds} rounds ends at eps {self.planned_epsilon:.3f}; "
-            f"no silo is sent a round past eps {self.epsilon_target:g}",
+            (f"privacy: a silo that trains all T={self.num_rounds} rounds ends at eps {self.planned_epsilon:.3f}; "
+             f"no silo is sent a round past eps {self.epsilon_target:g}" if self.planned_epsilon is not None else
+             f"privacy: the silos withheld their sizes: each silo's own ledger enforces its budget"),
         ]
 
     def final_report(self) -> dict[str, Any]:

@@ -16,19 +16,25 @@ node config, decides everything about the silo's privacy:
   ``fedpower-ledger.json`` in its data directory; ``"memory"`` keeps it in the run's state only,
   an explicit choice that is printed.
 
-**Who decides.** A silo that holds its own data (node config ``data-dir``) or sets its own budget
-(``dp-max-epsilon``) is *sovereign*: its node config decides, with the safe defaults above (no
-reproducible mode, no diagnostics, no evaluation on its rows under a budget). A simulated partition
-of a shared dataset (node config ``partition-id`` / ``num-partitions`` only: one person owns every
-silo and the server) follows the run config, which then speaks for its owner: ``dp.noise =
-"seeded"`` opts every silo into reproducible mode (and the run says so), ``dp.diagnostics =
-"released"`` makes them send their metrics.
+**Who decides.** Every deployed SuperNode is *sovereign*: its node config decides, with safe
+defaults (no reproducible mode, no diagnostics, no shard size, no evaluation on its rows). It starts
+only with an explicit choice: a budget (``dp-max-epsilon``), or a written opt-out (``dp-opt-out =
+"<why>"``) that it prints at start; with neither it refuses every message. A budgeted silo keeps
+its ledger on its own disk (``ledger-file``, by default in its data directory) and refuses to
+train with nowhere to keep it, unless its operator chose ``ledger-file = "memory"``. Only a
+partition that the simulation engine itself made (Flower's Ray engine, or the in-process grid:
+:func:`simulation_engine`) and whose node config sets no budget of its own is a
+*simulated partition*: one person owns every silo and the server, so the run config speaks for
+its owner (``dp.noise = "seeded"``, ``dp.diagnostics = "released"``). A node config that anyone
+can type (``partition-id=0 num-partitions=6``) does not make a deployed SuperNode one.
 
 Flower-free: the ClientApp (``client_app/app.py``) builds it from ``Context.node_config``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -36,11 +42,40 @@ from typing import Any, Mapping
 from .accounting.silo import SILO_DEFAULT_DELTA, SiloRefusal
 
 #: The node-config keys a silo's policy reads (docs/deployment.md documents each).
-POLICY_KEYS = ("dp-max-epsilon", "dp-delta", "dp-noise", "send-metrics", "evaluate", "evaluate-max", "ledger-file")
+POLICY_KEYS = ("dp-max-epsilon", "dp-delta", "dp-opt-out", "dp-accountant", "dp-noise", "send-metrics",
+               "send-shard-size", "evaluate", "evaluate-max", "ledger-file", "secagg-colluders", "secagg-contributors",
+               "silo-signing-key", "secagg-peers")
 #: ``ledger-file`` value of a silo that keeps its ledger in the run's state only.
 IN_MEMORY = "memory"
 #: The ledger of a silo with a data directory and no ``ledger-file``, in that directory.
 DEFAULT_LEDGER_NAME = "fedpower-ledger.json"
+
+
+_SIMULATION_ENGINE = threading.local()
+
+
+@contextlib.contextmanager
+def simulation_engine():
+    """A simulation engine of this process (the in-process grid) delivers a message inside this
+    block: the node it delivers to is a partition the engine made. Not reachable from a node config
+    or a message."""
+    previous = getattr(_SIMULATION_ENGINE, "active", False)
+    _SIMULATION_ENGINE.active = True
+    try:
+        yield
+    finally:
+        _SIMULATION_ENGINE.active = previous
+
+
+def in_simulation_engine() -> bool:
+    """Does this ClientApp run inside a simulation engine (Flower's Ray engine, or the in-process
+    grid), where partition-id / num-partitions come from the engine, not from an operator?"""
+    import sys
+
+    if getattr(_SIMULATION_ENGINE, "active", False):
+        return True
+    ray = sys.modules.get("ray")
+    return bool(ray is not None and ray.is_initialized())
 
 
 def _flag(node_config: Mapping[str, Any], key: str) -> bool | None:
@@ -59,24 +94,43 @@ def _flag(node_config: Mapping[str, Any], key: str) -> bool | None:
 class SiloPolicy:
     """What one silo agrees to. Build it with :meth:`from_node_config`."""
 
-    sovereign: bool  # the node config decides (own data or own budget); else the run's owner does
-    requires_dp: bool  # trains only with DP-SGD parameters
+    sovereign: bool  # the node config decides (a deployed SuperNode, own data or own budget); else the run's owner does
+    requires_dp: bool  # trains only with DP-SGD parameters (or its own noise shares)
     max_epsilon: float  # the budget its own ledger enforces
     delta: float
     reproducible: bool  # accepts seeded (reproducible-mode) noise
     sends_metrics: bool  # train loss, examples seen, timings in its train replies
     evaluates: bool  # answers evaluate requests on its own rows
-    evaluate_max: int | None  # at most this many answers per run (None: no cap)
+    evaluate_max: int | None  # at most this many answers, across runs (None: no cap)
     ledger_file: Path | None  # None: the run's state only
     ledger_in_memory_chosen: bool = False  # the operator asked for it (``ledger-file = "memory"``)
+    opt_out: str = ""  # the operator's written reason to train without DP (sovereign silos only)
+    sends_shard_size: bool = True  # tells the server its shard size n
+    accountant: str = "rdp"  # the silo's own accountant (node config dp-accountant), never the run's
+    colluders: int = 0  # silos it assumes collude with the server (node config secagg-colluders)
+    contributors: int | None = None  # the k it accounts its noise shares at, at most (node config secagg-contributors)
+    signing_key: Path | None = None  # its signing key for secure sums against a deviating server
+    peers_file: Path | None = None  # the public keys of the silos it aggregates with
 
     @classmethod
-    def from_node_config(cls, node_config: Mapping[str, Any], cfg) -> "SiloPolicy":
+    def from_node_config(cls, node_config: Mapping[str, Any], cfg, *, simulated: bool | None = None) -> "SiloPolicy":
         """The policy of a silo with this node config in a run of configuration ``cfg`` (a
-        ``RunConfig``: consulted only where the silo is not sovereign, and for the run's level)."""
+        ``RunConfig``: consulted only where the silo is not sovereign, and for the run's level).
+        ``simulated``: whether a simulation engine made this node (default: :func:`in_simulation_engine`)."""
+        if simulated is None:
+            simulated = in_simulation_engine()
         budget = "dp-max-epsilon" in node_config
         data_dir = str(node_config.get("data-dir", "")).strip()
-        sovereign = budget or bool(data_dir)
+        opt_out = str(node_config.get("dp-opt-out", "")).strip()
+        if "dp-opt-out" in node_config and not opt_out:
+            raise SiloRefusal("refused: node config dp-opt-out must give the operator's reason in words")
+        if budget and opt_out:
+            raise SiloRefusal("refused: node config sets both dp-max-epsilon and dp-opt-out: choose one")
+        sovereign = budget or bool(data_dir) or bool(opt_out) or not simulated
+        if sovereign and not budget and not opt_out:
+            raise SiloRefusal("refused: this silo has made no privacy choice: set node config dp-max-epsilon=8 (its "
+                              "budget; with ledger-file=\"/path/ledger.json\"), or dp-opt-out=\"<why this silo "
+                              "trains without DP>\" (docs/deployment.md)")
         if budget:
             try:
                 max_epsilon = float(node_config["dp-max-epsilon"])
@@ -87,6 +141,8 @@ class SiloPolicy:
                 raise SiloRefusal(f"refused: node config dp-max-epsilon = {max_epsilon:g} must be > 0 and "
                                   f"dp-delta = {delta:g} in (0, 1)")
             requires_dp = True
+        elif opt_out:
+            requires_dp, max_epsilon, delta = False, float("inf"), SILO_DEFAULT_DELTA
         else:
             requires_dp = cfg["dp.level"] == "sample" and cfg["dp.noise-at"] == "silo"
             max_epsilon, delta = cfg["dp.epsilon"], cfg["dp.delta"]
@@ -97,8 +153,10 @@ class SiloPolicy:
         metrics = _flag(node_config, "send-metrics")
         sends_metrics = metrics if metrics is not None else (not sovereign and cfg.diagnostics_released)
         evaluates = _flag(node_config, "evaluate")
-        if evaluates is None:  # a silo that enforces a budget, or sends no metrics, keeps its rows to itself
-            evaluates = not budget and metrics is not False
+        if evaluates is None:  # a sovereign silo keeps its rows to itself unless its node config says so
+            evaluates = not sovereign and metrics is not False
+        shard = _flag(node_config, "send-shard-size")
+        sends_shard_size = shard if shard is not None else not sovereign
         raw_max = node_config.get("evaluate-max")
         try:
             evaluate_max = None if raw_max is None else int(raw_max)
@@ -113,8 +171,50 @@ class SiloPolicy:
             ledger_file, chosen = Path(data_dir).expanduser() / DEFAULT_LEDGER_NAME, False
         else:
             ledger_file, chosen = None, False
+        if budget and ledger_file is None and not chosen:
+            raise SiloRefusal("refused: this silo has a budget but nowhere to keep its ledger across runs: set node "
+                              "config ledger-file=\"/path/on/the/silo/ledger.json\" (or ledger-file=\"memory\" to "
+                              "start every run from zero)")
+        accountant = str(node_config.get("dp-accountant", "rdp")).strip().lower()
+        if accountant not in ("rdp", "pld"):
+            raise SiloRefusal(f"refused: node config dp-accountant = {accountant!r} must be 'rdp' or 'pld'")
+        try:
+            colluders = int(node_config.get("secagg-colluders", 0))
+            raw_k = node_config.get("secagg-contributors")
+            contributors = None if raw_k is None else int(raw_k)
+        except (TypeError, ValueError):
+            raise SiloRefusal("refused: node config secagg-colluders and secagg-contributors must be integers") from None
+        if colluders < 0 or (contributors is not None and contributors < 1):
+            raise SiloRefusal("refused: node config secagg-colluders must be >= 0 and secagg-contributors >= 1")
+        key = str(node_config.get("silo-signing-key", "")).strip()
+        peers = str(node_config.get("secagg-peers", "")).strip()
+        if bool(key) != bool(peers):
+            raise SiloRefusal("refused: node config silo-signing-key and secagg-peers go together (the silo's own key "
+                              "and the public keys of the silos it aggregates with)")
         return cls(sovereign, requires_dp, max_epsilon, delta, reproducible, bool(sends_metrics), evaluates,
-                   evaluate_max, ledger_file, chosen)
+                   evaluate_max, ledger_file, chosen, opt_out, bool(sends_shard_size),
+                   accountant if sovereign else cfg["dp.accountant"], colluders, contributors,
+                   Path(key).expanduser() if key else None, Path(peers).expanduser() if peers else None)
+
+    @property
+    def signs(self) -> bool:
+        """Does this silo run the signed secure-sum protocol (against a server that deviates)?"""
+        return self.signing_key is not None
+
+    def noise_share_contributors(self, threshold: int, requested: int, run_colluders: int = 0) -> int:
+        """The k this silo accounts a noise share at: what the sum can prove, never more. A signed sum
+        proves t trusted silos in the survivor set, so k = t less the colluders it assumes (its own
+        node config, or the run's if more), capped by its node config secagg-contributors. An unsigned
+        sum proves nothing about the other ids of a deployed silo's cohort: k = 1 (its own share).
+        A simulated partition follows the run's k (its owner runs every silo)."""
+        colluders = max(self.colluders, int(run_colluders))
+        if self.sovereign and not self.signs:
+            k = 1
+        else:
+            k = max(1, min(int(requested), int(threshold) - colluders))
+        if self.contributors is not None:
+            k = min(k, self.contributors)
+        return k
 
     # -- the checks ---------------------------------------------------------------------------
     def check_noise_mode(self, cfg) -> None:
@@ -144,14 +244,24 @@ class SiloPolicy:
 
     def describe(self) -> str:
         """The policy in one line (the silo logs it once per run)."""
-        who = "its node config decides" if self.sovereign else "a simulated partition: the run config speaks for its owner"
-        budget = (f"DP-SGD required, budget epsilon {self.max_epsilon:g} at delta {self.delta:g}" if self.requires_dp
-                  else "DP-SGD as the run asks")
+        who = ("its node config decides" if self.sovereign else
+               "a simulated partition made by the simulation engine: the run config speaks for its owner")
+        if self.requires_dp:
+            budget = f"DP required, budget epsilon {self.max_epsilon:g} at delta {self.delta:g} ({self.accountant})"
+        elif self.opt_out:
+            budget = f"trains WITHOUT differential privacy by its operator's written choice: {self.opt_out!r}"
+        else:
+            budget = "DP-SGD as the run asks"
         noise = "reproducible-mode noise accepted" if self.reproducible else "noise from its own secrets only"
         metrics = "sends training metrics" if self.sends_metrics else "sends no training metrics"
+        shard = "sends its shard size" if self.sends_shard_size else "keeps its shard size"
         if not self.evaluates:
             evaluate = "no evaluation on its rows"
         else:
-            evaluate = "evaluates on its rows" + ("" if self.evaluate_max is None else f" at most {self.evaluate_max} times")
+            evaluate = "evaluates on its rows" + ("" if self.evaluate_max is None else
+                                                  f" at most {self.evaluate_max} times across runs")
             evaluate += " (NOT covered by the guarantee)" if self.requires_dp else ""
-        return f"silo policy ({who}): {budget}; {noise}; {metrics}; {evaluate}; ledger {self.ledger_where()}"
+        secure = ("secure sums signed (protected from a server that deviates)" if self.signs else
+                  "secure sums unsigned (protected from a semi-honest server only)")
+        return (f"silo policy ({who}): {budget}; {noise}; {metrics}; {shard}; {evaluate}; {secure}; "
+                f"ledger {self.ledger_where()}")

@@ -19,6 +19,9 @@ from flwr.supercore.task_identity import TaskIdentity
 log = logging.getLogger("fedpower")
 
 
+from fedpower_app.privacy.silo_policy import simulation_engine  # noqa: E402
+
+
 class InProcessGrid(Grid):
     """Delivers each message to ``client_app`` (a ClientApp or a plain callable) in this process.
 
@@ -85,7 +88,8 @@ class InProcessGrid(Grid):
             delivered.metadata.__dict__["_message_id"] = mid
             try:
                 handler = self.handlers.get(dst, self._app)
-                reply = handler(delivered, self._contexts[dst])
+                with simulation_engine():  # its partitions are the engine's, not an operator's node config
+                    reply = handler(delivered, self._contexts[dst])
             except Exception as exc:  # the runtime turns a raising ClientApp into an error reply
                 reply = Message(Error(code=2, reason=repr(exc)), reply_to=delivered)
             if reply is not None:

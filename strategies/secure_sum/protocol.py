@@ -25,8 +25,20 @@ that a server which named two different dropped sets could not gather t shares o
 
 **Trust.** A semi-honest server colluding with fewer than t clients learns nothing about a client's
 x_u beyond the sum of the survivors' inputs: without b_u a masked y_u is uniform, and a client's
-holders reveal either b_u or its key, never both. Integrity against a malicious server that lies
-about who dropped needs SecAgg's consistency round (signatures); it is not implemented.
+holders reveal either b_u or its key, never both.
+
+**Against a server that deviates** (Bonawitz et al. 2017 §6, the active-adversary variant), a client
+that holds a signing key and the public keys of the silos it trusts (``identity``) runs the *signed*
+protocol: it signs its advertised keys (bound to the sum's config, so a signature cannot be replayed
+into another sum), accepts only peer keys signed by silos it trusts, and before it unmasks, a
+**consistency stage**: every survivor signs the survivor set U3 it was sent, and a client unmasks
+only when it holds at least t valid signatures of the same U3 by distinct trusted members of U3.
+An honest client signs one U3 per sum; with t > (n + c) / 2 two different survivor sets cannot both
+gather t signatures, so the server cannot tell different holders different survivor sets. In both
+modes a client computes the dropped set itself (its neighbours that sent it shares, less U3),
+unmasks only for ids that sent it shares, and answers one unmask request per sum. Without signing
+keys the protocol is for a **semi-honest server only**: a server that plays clients of its own
+(sybils) can make a holder reveal a target's self-mask seed and every other key.
 """
 
 from __future__ import annotations
@@ -40,6 +52,7 @@ import numpy as np
 
 from . import masking as MK
 from .field import add_mod, check_bits, sub_mod
+from .identity import digest
 
 
 class SecureSumRefused(RuntimeError):
@@ -56,6 +69,7 @@ class SecureSumConfig:
     threshold: int             # t: shares needed to rebuild a client's secret
     degree: int = 0            # neighbours per client; 0: the complete graph (SecAgg)
     graph_seed: bytes = b""    # public randomness for the graph (SecAgg+)
+    label: str = ""            # the sum's identity in its run: "<round>/<kind>/<index>" (a client answers each once)
 
     def __post_init__(self):
         nodes = tuple(int(x) for x in self.nodes)
@@ -92,33 +106,66 @@ class SecureSumConfig:
     def to_dict(self) -> dict:
         """The config as plain values (a message's ConfigRecord carries it)."""
         return {"nodes": list(self.nodes), "size": self.size, "bits": self.bits, "threshold": self.threshold,
-                "degree": self.degree, "graph-seed": bytes(self.graph_seed)}
+                "degree": self.degree, "graph-seed": bytes(self.graph_seed), "label": self.label}
+
+    def fingerprint(self) -> bytes:
+        """What a signature binds a message to: every public parameter of this one sum (the graph seed
+        is fresh randomness per sum, so a signature made for one sum is worthless in any other)."""
+        return digest("config", sorted(self.nodes), self.size, self.bits, self.threshold, self.degree,
+                      bytes(self.graph_seed), self.label)
 
     @classmethod
     def from_dict(cls, d) -> "SecureSumConfig":
         try:
             return cls(nodes=tuple(int(x) for x in d["nodes"]), size=int(d["size"]), bits=int(d["bits"]),
-                       threshold=int(d["threshold"]), degree=int(d["degree"]), graph_seed=bytes(d["graph-seed"]))
+                       threshold=int(d["threshold"]), degree=int(d["degree"]), graph_seed=bytes(d["graph-seed"]),
+                       label=str(d.get("label", "")))
         except (KeyError, TypeError) as exc:
             raise ValueError(f"malformed secure-sum config: {exc!r}") from None
 
 
 # -- the client -----------------------------------------------------------------------------------
-class SecureSumClient:
-    """One client's side of one round. Each method is one stage; call them in order."""
+def advertise_message(config: SecureSumConfig, node: int, channel_key: bytes, mask_key: bytes) -> bytes:
+    return digest("advertise", config.fingerprint(), int(node), bytes(channel_key), bytes(mask_key))
 
-    def __init__(self, node: int, config: SecureSumConfig) -> None:
+
+def verify_own(identity, message: bytes, signature: bytes) -> bool:
+    from .identity import TrustedSilos
+
+    return TrustedSilos([identity.public]).verify(identity.public, message, signature)
+
+
+def survivors_message(config: SecureSumConfig, survivors) -> bytes:
+    return digest("survivors", config.fingerprint(), ",".join(str(int(u)) for u in sorted(survivors)))
+
+
+class SecureSumClient:
+    """One client's side of one round. Each method is one stage; call them in order.
+
+    ``identity`` (a ``SiloIdentity``) and ``trusted`` (a ``TrustedSilos``) make it run the signed
+    protocol (see the module docstring); without them it runs the semi-honest one."""
+
+    def __init__(self, node: int, config: SecureSumConfig, *, identity=None, trusted=None) -> None:
         if int(node) not in config.nodes:
             raise ValueError(f"node {node} is not in the round's cohort")
+        if (identity is None) != (trusted is None):
+            raise ValueError("a signed secure sum needs both a signing key and the trusted silos' public keys")
         self.node, self.config = int(node), config
+        self.identity, self.trusted = identity, trusted
         self.neighbours = config.graph()[self.node]
         self._stage = 0
         self._channel = self._mask_keys = None
         self._peer_keys: dict[int, tuple[bytes, bytes]] = {}
+        self._peer_ids: dict[int, str] = {}       # signed mode: the trusted identity behind each peer's keys
         self._self_seed = b""
         self._seed_shares: dict[int, bytes] = {}  # shares I hold, of b_u per client u
         self._key_shares: dict[int, bytes] = {}   # shares I hold, of u's mask secret key
         self._masked_with: tuple[int, ...] = ()
+        self._signed_survivors: tuple[int, ...] | None = None
+
+    @property
+    def signed(self) -> bool:
+        return self.trusted is not None
 
     # -- persistence between messages (a ClientApp keeps it in its Context.state) -------------------
     def state_dict(self) -> str:
@@ -129,50 +176,87 @@ class SecureSumClient:
             "channel": None if self._channel is None else [b64(self._channel.secret), b64(self._channel.public)],
             "mask_keys": None if self._mask_keys is None else [b64(self._mask_keys.secret), b64(self._mask_keys.public)],
             "peer_keys": {str(v): [b64(c), b64(m)] for v, (c, m) in self._peer_keys.items()},
+            "peer_ids": {str(v): i for v, i in self._peer_ids.items()},
             "self_seed": b64(self._self_seed),
             "seed_shares": {str(u): b64(s) for u, s in self._seed_shares.items()},
             "key_shares": {str(u): b64(s) for u, s in self._key_shares.items()},
             "masked_with": list(self._masked_with),
+            "signed_survivors": None if self._signed_survivors is None else list(self._signed_survivors),
         })
 
     @classmethod
-    def from_state_dict(cls, config: SecureSumConfig, state: str) -> "SecureSumClient":
+    def from_state_dict(cls, config: SecureSumConfig, state: str, *, identity=None, trusted=None) -> "SecureSumClient":
         d = json.loads(state)
         unb = base64.b64decode
-        client = cls(int(d["node"]), config)
+        client = cls(int(d["node"]), config, identity=identity, trusted=trusted)
         client._stage = int(d["stage"])
         if d["channel"] is not None:
             client._channel = MK.KeyPair(unb(d["channel"][0]), unb(d["channel"][1]))
         if d["mask_keys"] is not None:
             client._mask_keys = MK.KeyPair(unb(d["mask_keys"][0]), unb(d["mask_keys"][1]))
         client._peer_keys = {int(v): (unb(c), unb(m)) for v, (c, m) in d["peer_keys"].items()}
+        client._peer_ids = {int(v): str(i) for v, i in d.get("peer_ids", {}).items()}
         client._self_seed = unb(d["self_seed"])
         client._seed_shares = {int(u): unb(s) for u, s in d["seed_shares"].items()}
         client._key_shares = {int(u): unb(s) for u, s in d["key_shares"].items()}
         client._masked_with = tuple(int(v) for v in d["masked_with"])
+        signed = d.get("signed_survivors")
+        client._signed_survivors = None if signed is None else tuple(int(u) for u in signed)
         return client
 
     @property
     def stage(self) -> int:
         return self._stage
 
-    def _advance(self, stage: int) -> None:
-        if self._stage != stage - 1:
+    def _advance(self, stage: int, after: int | None = None) -> None:
+        if self._stage != (stage - 1 if after is None else after):
             raise SecureSumRefused(f"client {self.node}: stage {stage} requested after stage {self._stage}")
         self._stage = stage
 
     def advertise_keys(self) -> dict:
         self._advance(1)
         self._channel, self._mask_keys = MK.new_key_pair(), MK.new_key_pair()
-        return {"channel_key": self._channel.public, "mask_key": self._mask_keys.public}
+        reply = {"channel_key": self._channel.public, "mask_key": self._mask_keys.public}
+        if self.signed:
+            reply["identity"] = self.identity.public
+            reply["signature"] = self.identity.sign(advertise_message(self.config, self.node, self._channel.public,
+                                                                      self._mask_keys.public))
+        return reply
 
-    def share_keys(self, peer_keys: dict[int, tuple[bytes, bytes]]) -> dict:
-        """``peer_keys``: (channel key, mask key) of this client's neighbours that advertised keys."""
+    def _check_signed_peers(self, peer_keys: dict) -> dict[int, str]:
+        """Signed mode: every peer's keys signed, for this sum and this node id, by a distinct trusted
+        silo other than this one. Returns {peer: identity}; refuses otherwise."""
+        ids: dict[int, str] = {}
+        for v, entry in peer_keys.items():
+            if not (isinstance(entry, (list, tuple)) and len(entry) == 4):
+                raise SecureSumRefused(f"client {self.node}: the keys of node {v} carry no signature")
+            channel, mask_key, identity, signature = entry
+            identity = str(identity)
+            if identity not in self.trusted:
+                raise SecureSumRefused(f"client {self.node}: the keys of node {v} are signed by a key this silo does "
+                                       "not trust (not in its secagg-peers)")
+            if not self.trusted.verify(identity, advertise_message(self.config, int(v), bytes(channel), bytes(mask_key)),
+                                       bytes(signature)):
+                raise SecureSumRefused(f"client {self.node}: the signature on the keys of node {v} does not verify "
+                                       "(keys substituted, or signed for another sum)")
+            ids[int(v)] = " ".join(identity.split()[:2])
+        own = " ".join(self.identity.public.split()[:2])
+        everyone = list(ids.values()) + [own]
+        if len(set(everyone)) != len(everyone):
+            raise SecureSumRefused(f"client {self.node}: one silo's identity signs the keys of two nodes of the sum")
+        return ids
+
+    def share_keys(self, peer_keys: dict) -> dict:
+        """``peer_keys``: (channel key, mask key) of this client's neighbours that advertised keys, each
+        followed by (identity, signature) in the signed protocol."""
         self._advance(2)
         t = self.config.threshold
-        peers = {int(v): (bytes(c), bytes(m)) for v, (c, m) in peer_keys.items()}
-        if not set(peers) <= set(self.neighbours):
-            raise SecureSumRefused(f"client {self.node}: keys of non-neighbours {sorted(set(peers) - set(self.neighbours))}")
+        if not set(int(v) for v in peer_keys) <= set(self.neighbours):
+            raise SecureSumRefused(f"client {self.node}: keys of non-neighbours "
+                                   f"{sorted(set(int(v) for v in peer_keys) - set(self.neighbours))}")
+        if self.signed:
+            self._peer_ids = self._check_signed_peers(peer_keys)
+        peers = {int(v): (bytes(e[0]), bytes(e[1])) for v, e in peer_keys.items()}
         if len(peers) + 1 < t:
             raise SecureSumRefused(f"client {self.node}: {len(peers)} neighbours + itself hold its shares, fewer than "
                                    f"the threshold {t}")
@@ -221,23 +305,72 @@ class SecureSumClient:
         self._self_seed = b""  # only its shares remain
         return {"masked": y}
 
-    def unmask(self, survivors: list[int], dropped: list[int]) -> dict:
-        """Shares of b_u for the survivors and of the mask key for the dropped, of the clients whose
-        shares this client holds; refuses an inconsistent request or a second one."""
-        self._advance(4)
-        alive, gone = {int(v) for v in survivors}, {int(v) for v in dropped}
+    def _check_survivors(self, survivors) -> set[int]:
+        """The survivor set U3 a client accepts: ids of the cohort, itself among them, no neighbour that
+        never sent it shares (so never masked with it), and at least t of its own share holders.
+        Returns U3 restricted to this client's holders (the only ones it holds shares of)."""
+        alive = {int(v) for v in survivors}
         t = self.config.threshold
-        if alive & gone:
-            raise SecureSumRefused(f"client {self.node}: clients {sorted(alive & gone)} named both survivor and dropped")
+        if not alive <= set(self.config.nodes):
+            raise SecureSumRefused(f"client {self.node}: survivors {sorted(alive - set(self.config.nodes))} are not "
+                                   "in the sum's cohort")
         if self.node not in alive:
             raise SecureSumRefused(f"client {self.node}: asked to unmask but not named a survivor")
-        if len(alive) < t:
-            raise SecureSumRefused(f"client {self.node}: {len(alive)} survivors, fewer than the threshold {t}")
+        strangers = (alive & set(self.neighbours)) - set(self._masked_with)
+        if strangers:
+            raise SecureSumRefused(f"client {self.node}: survivors {sorted(strangers)} never sent it shares")
+        local = alive & (set(self._masked_with) | {self.node})
+        if len(local) < t:
+            raise SecureSumRefused(f"client {self.node}: {len(local)} of its share holders survive, fewer than the "
+                                   f"threshold {t}")
+        return alive
+
+    def consistency(self, survivors: list[int]) -> dict:
+        """Signed protocol only: sign the survivor set this client was sent (once per sum)."""
+        if not self.signed:
+            raise SecureSumRefused(f"client {self.node}: a consistency stage in a sum it joined unsigned")
+        self._advance(4)
+        alive = self._check_survivors(survivors)
+        self._signed_survivors = tuple(sorted(alive))
+        return {"signature": self.identity.sign(survivors_message(self.config, alive))}
+
+    def unmask(self, survivors: list[int], dropped: list[int] | None = None, signatures: dict | None = None) -> dict:
+        """Shares of b_u for the survivors and of the mask key for the dropped, of the clients whose
+        shares this client holds; refuses an inconsistent request or a second one. The dropped set is
+        the client's own: its neighbours that sent it shares and are not survivors. In the signed
+        protocol ``signatures`` must hold t valid signatures of this same survivor set."""
+        if self.signed:
+            self._advance(5, after=4)
+        else:
+            self._advance(4)
+        alive = {int(v) for v in survivors}
+        if dropped is not None and alive & {int(v) for v in dropped}:
+            raise SecureSumRefused(f"client {self.node}: clients {sorted(alive & {int(v) for v in dropped})} named "
+                                   "both survivor and dropped")
+        alive = self._check_survivors(alive)
+        gone = set(self._masked_with) - alive
+        if dropped is not None and {int(v) for v in dropped} & set(self._masked_with) != gone:
+            raise SecureSumRefused(f"client {self.node}: the dropped set it was sent is not its neighbours less the "
+                                   "survivors")
+        if self.signed:
+            if self._signed_survivors != tuple(sorted(alive)):
+                raise SecureSumRefused(f"client {self.node}: the survivor set to unmask differs from the one it signed")
+            message = survivors_message(self.config, alive)
+            valid = set()
+            for u, sig in (signatures or {}).items():
+                u = int(u)
+                if u not in alive or not isinstance(sig, (bytes, bytearray)):
+                    continue
+                if u == self.node:
+                    ok = verify_own(self.identity, message, bytes(sig))
+                else:
+                    ok = u in self._peer_ids and self.trusted.verify(self._peer_ids[u], message, bytes(sig))
+                if ok:
+                    valid.add(u)
+            if len(valid) < self.config.threshold:
+                raise SecureSumRefused(f"client {self.node}: {len(valid)} valid signatures of the survivor set, fewer "
+                                       f"than the threshold {self.config.threshold}")
         held = set(self._seed_shares)
-        mine = set(self._masked_with) | {self.node}
-        if (alive | gone) & mine != mine:
-            raise SecureSumRefused(f"client {self.node}: neighbours {sorted(mine - alive - gone)} are neither "
-                                   "survivors nor dropped")
         return {"seed_shares": {u: self._seed_shares[u] for u in sorted(alive & held)},
                 "key_shares": {u: self._key_shares[u] for u in sorted(gone & held)}}
 
@@ -278,6 +411,9 @@ class SecureSumServer:
         self.keys: dict[int, tuple[bytes, bytes]] = {}
         self.sealed: dict[int, dict[int, bytes]] = {}
         self.masked: dict[int, np.ndarray] = {}
+        self.signed = False
+        self.identities: dict[int, tuple[str, bytes]] = {}
+        self.signatures: dict[int, bytes] = {}
 
     def _record(self, stage, node, payload):
         if self.recorder is not None:
@@ -288,15 +424,23 @@ class SecureSumServer:
             raise SecureSumRefused(f"{count} clients {what}, fewer than the threshold t = {self.config.threshold} "
                                    f"(at most n - t = {self.config.max_dropouts} of {len(self.config.nodes)} may drop)")
 
-    def receive_keys(self, replies: dict[int, dict]) -> dict[int, dict[int, tuple[bytes, bytes]]]:
-        """Stage 1 replies -> each answering client's neighbours' keys (stage 2 requests)."""
+    def receive_keys(self, replies: dict[int, dict]) -> dict[int, dict[int, tuple]]:
+        """Stage 1 replies -> each answering client's neighbours' keys (stage 2 requests). When the
+        clients sign their keys (the signed protocol), each key pair travels with its identity and
+        signature, and an unsigned reply counts as a dropout."""
+        self.signed = any(isinstance(r, dict) and "signature" in r for r in replies.values())
         for u, r in replies.items():
             self._record("advertise_keys", u, r)
             if int(u) not in self.graph:
                 raise SecureSumRefused(f"keys from node {u}, not in the cohort")
+            if self.signed and not ("signature" in r and "identity" in r):
+                continue
             self.keys[int(u)] = (bytes(r["channel_key"]), bytes(r["mask_key"]))
+            if self.signed:
+                self.identities[int(u)] = (str(r["identity"]), bytes(r["signature"]))
         self._need(len(self.keys), "advertised keys")
-        return {u: {v: self.keys[v] for v in self.graph[u] if v in self.keys} for u in self.keys}
+        return {u: {v: self.keys[v] + self.identities.get(v, ()) for v in self.graph[u] if v in self.keys}
+                for u in self.keys}
 
     def receive_shares(self, replies: dict[int, dict]) -> dict[int, dict[int, bytes]]:
         """Stage 2 replies -> the sealed shares addressed to each client (stage 3 requests)."""
@@ -327,8 +471,24 @@ class SecureSumServer:
             self.masked[u] = y
         self._need(len(self.masked), "sent masked inputs")
         survivors = sorted(self.masked)
+        if self.signed:  # the consistency stage: every survivor signs the survivor set
+            return {u: {"survivors": survivors} for u in survivors}
         dropped = sorted(set(self.sealed) - set(self.masked))
         return {u: {"survivors": survivors, "dropped": dropped} for u in survivors}
+
+    def receive_consistency(self, replies: dict[int, dict]) -> dict[int, dict]:
+        """Signed protocol, consistency stage replies -> the unmask requests, which carry every
+        survivor's signature of the survivor set."""
+        for u, r in replies.items():
+            self._record("consistency", u, r)
+            if int(u) not in self.masked:
+                raise SecureSumRefused(f"a signature of the survivor set from node {u}, not a survivor")
+            self.signatures[int(u)] = bytes(r["signature"])
+        self._need(len(self.signatures), "signed the survivor set")
+        survivors = sorted(self.masked)
+        dropped = sorted(set(self.sealed) - set(self.masked))
+        return {u: {"survivors": survivors, "dropped": dropped, "signatures": dict(self.signatures)}
+                for u in sorted(self.signatures)}
 
     def unmask(self, replies: dict[int, dict]) -> tuple[np.ndarray, list[int]]:
         """Stage 4 replies -> (the sum of the survivors' inputs mod 2^bits, the survivors)."""
@@ -372,20 +532,23 @@ class SecureSumServer:
 
 
 # -- an in-process run -----------------------------------------------------------------------------
-STAGES = ("advertise_keys", "share_keys", "masked_input", "unmask")
+STAGES = ("advertise_keys", "share_keys", "masked_input", "consistency", "unmask")
 
 
 def simulate(config: SecureSumConfig, inputs: dict[int, np.ndarray], *, drop: dict[int, str] | None = None,
-             recorder: Recorder | None = None) -> tuple[np.ndarray, list[int]]:
+             recorder: Recorder | None = None, identities: dict | None = None, trusted=None
+             ) -> tuple[np.ndarray, list[int]]:
     """One secure-sum round in-process. ``drop[node] = stage`` makes that client vanish before
-    answering that stage (one of ``STAGES``). Returns the server's (sum mod 2^bits, survivors)."""
+    answering that stage (one of ``STAGES``). ``identities`` ({node: SiloIdentity}) and ``trusted``
+    run the signed protocol. Returns the server's (sum mod 2^bits, survivors)."""
     drop = dict(drop or {})
     for node, stage in drop.items():
         if stage not in STAGES:
             raise ValueError(f"drop stage must be one of {STAGES}, got {stage!r}")
     if set(inputs) != set(config.nodes):
         raise ValueError("one input per node of the cohort")
-    clients = {u: SecureSumClient(u, config) for u in config.nodes}
+    clients = {u: SecureSumClient(u, config, identity=(identities or {}).get(u),
+                                  trusted=trusted if identities else None) for u in config.nodes}
     server = SecureSumServer(config, recorder)
 
     def alive(stage, nodes):
@@ -395,4 +558,7 @@ def simulate(config: SecureSumConfig, inputs: dict[int, np.ndarray], *, drop: di
     sealed = server.receive_shares({u: clients[u].share_keys(keys[u]) for u in alive("share_keys", keys)})
     requests = server.receive_masked({u: clients[u].masked_input(sealed[u], inputs[u])
                                       for u in alive("masked_input", sealed)})
+    if server.signed:
+        requests = server.receive_consistency({u: clients[u].consistency(**requests[u])
+                                               for u in alive("consistency", requests)})
     return server.unmask({u: clients[u].unmask(**requests[u]) for u in alive("unmask", requests)})

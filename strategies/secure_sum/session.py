@@ -40,6 +40,8 @@ class SecureAggregation:
     bits: int = 32            # the ring Z_{2^bits}
     clip_range: float = 4.0   # every coordinate is clamped to [-r, r] before quantization
     degree: int = 0           # neighbours per client (SecAgg+); 0: the complete graph
+    dropout_rate: float = 0.1  # the dropout rate a sparse graph is sized for
+    colluders: int = 0        # silos that may collude with the server (the minimum degree and the statement)
 
     def __post_init__(self):
         check_bits(self.bits)
@@ -56,16 +58,24 @@ class SecureAggregation:
         if not cfg["secagg.enabled"]:
             return None
         return cls(threshold=float(cfg["secagg.threshold"]), bits=int(cfg["secagg.quantization-bits"]),
-                   clip_range=float(cfg["secagg.clip-range"]), degree=int(cfg["secagg.degree"]))
+                   clip_range=float(cfg["secagg.clip-range"]), degree=int(cfg["secagg.degree"]),
+                   dropout_rate=float(cfg["secagg.dropout-rate"]), colluders=int(cfg["secagg.colluders"]))
 
-    def config_for(self, nodes: list[int], size: int, graph_seed: bytes) -> SecureSumConfig:
-        """One sum's public parameters for a cohort: t = max(majority, ceil(threshold x holders))."""
+    def config_for(self, nodes: list[int], size: int, graph_seed: bytes, *, label: str = "") -> SecureSumConfig:
+        """One sum's public parameters for a cohort: t = max(majority, ceil(threshold x holders)).
+        A sparse graph below the minimum degree for the cohort (:func:`minimum_degree`) is refused."""
         n = len(nodes)
         degree = self.degree if 0 < self.degree < n - 1 else 0
+        if degree:
+            need, _ = minimum_degree(n, self.threshold, self.dropout_rate, self.colluders)
+            if need == 0 or degree < need:
+                raise ValueError(f"secagg.degree = {degree} is below the minimum degree for {n} silos at dropout rate "
+                                 f"{self.dropout_rate:g} and {self.colluders} colluder(s) "
+                                 + (f"({need})" if need else "(no sparse graph is safe: use 0, the complete graph)"))
         holders = (degree if degree else n - 1) + 1
-        t = max(holders // 2 + 1, math.ceil(self.threshold * holders - 1e-9))
-        return SecureSumConfig(nodes=tuple(nodes), size=size + 1, bits=self.bits, threshold=min(t, holders),
-                               degree=degree, graph_seed=graph_seed)
+        return SecureSumConfig(nodes=tuple(nodes), size=size + 1, bits=self.bits,
+                               threshold=threshold_for(holders, self.threshold),
+                               degree=degree, graph_seed=graph_seed, label=label)
 
     def quantizer(self, num_clients: int) -> FieldQuantizer:
         return FieldQuantizer(self.bits, float(self.clip_range), num_clients)
@@ -75,20 +85,80 @@ class SecureAggregation:
         nodes = list(range(1, max(2, num_silos) + 1))
         cfg = self.config_for(nodes, 1, b"")
         holders = cfg.effective_degree + 1
+        n = len(nodes)
+        if cfg.effective_degree < n - 1:
+            _, failure = minimum_degree(n, self.threshold, self.dropout_rate, self.colluders, degree=cfg.effective_degree)
+            graph = (f"a sparse graph of degree {cfg.effective_degree}: probabilistic, it fails with probability at most "
+                     f"{failure:.1e} per sum (union bound over the silos, at dropout rate {self.dropout_rate:g} and "
+                     f"{self.colluders} colluder(s)); semi-honest server only")
+            malicious = "a sparse graph is for a semi-honest server only"
+        else:
+            failure = 0.0
+            graph = "the complete graph (every pair of silos masks)"
+            malicious = (f"against a server that deviates from the protocol it holds for silos that sign their keys "
+                         f"(node config silo-signing-key and secagg-peers: signed keys, a signed survivor set, "
+                         f"one sum per round, kind and index over one set of silos); silos without signing keys "
+                         f"are protected from a semi-honest server only")
         return {
-            "protocol": "SecAgg+ (Bell et al. 2020) on Flower's Message API",
+            "protocol": "SecAgg+ (Bell et al. 2020) on Flower's Message API, with SecAgg's signed consistency "
+                        "round when the silos sign (Bonawitz et al. 2017)",
             "threshold": cfg.threshold, "share_holders": holders, "max_dropouts": holders - cfg.threshold,
             "quantization_bits": self.bits, "clip_range": self.clip_range, "degree": cfg.effective_degree,
+            "graph_failure_probability": failure,
             "error_bound_per_coordinate": self.error_bound(len(nodes)),
             "statement": (f"the server sees only sums over each round's silos, never one silo's reply; it holds "
-                          f"if the server is honest-but-curious and colludes with at most {cfg.threshold - 1} silos "
-                          f"(t - 1, t = {cfg.threshold} of each silo's {holders} share holders); a round survives "
-                          f"up to {holders - cfg.threshold} dropouts and is refused past them"),
+                          f"if the server colludes with at most {cfg.threshold - 1} silos "
+                          f"(t - 1, t = {cfg.threshold} of each silo's {holders} share holders), with {graph}; "
+                          f"{malicious}; a round survives up to {holders - cfg.threshold} dropouts and is refused "
+                          f"past them"),
         }
 
     def error_bound(self, num_clients: int) -> float:
         """The most the decoded sum of the cohort's vectors differs from the float sum, per coordinate."""
         return self.quantizer(num_clients).error_bound()
+
+
+def threshold_for(holders: int, fraction: float) -> int:
+    """t for ``holders`` share holders: a strict majority, at least ``fraction`` of them."""
+    return min(holders, max(holders // 2 + 1, math.ceil(fraction * holders - 1e-9)))
+
+
+#: The failure probability a sparse graph must stay under, per sum.
+GRAPH_FAILURE = 2.0 ** -20
+
+
+def minimum_degree(n: int, threshold: float, dropout_rate: float, colluders: int, *,
+                   degree: int | None = None, failure: float = GRAPH_FAILURE) -> tuple[int, float]:
+    """The smallest even degree k < n - 1 of a random k-regular neighbour graph over n silos whose
+    failure probability per sum is at most ``failure``, and that probability; (0, p) when none is
+    (the complete graph is needed). With ``degree``, the probability at that degree instead.
+
+    A sum over a random graph fails if, for some honest silo u (a union bound over the n silos):
+    at least t of its k neighbours collude with the server (they and the server would rebuild both
+    of u's secrets); more than k + 1 - t of its holders drop (u's secrets are lost); or all of its
+    neighbours collude or drop (its input is left alone in the sum: a real dropout and one colluder
+    expose a survivor at degree 2). Neighbours are a uniform k-subset of the other n - 1 silos, so
+    each count is hypergeometric, with ceil(dropout_rate n) dropped and ``colluders`` colluding."""
+    from scipy.stats import hypergeom
+
+    dropped = math.ceil(dropout_rate * n - 1e-9)
+
+    def probability(k: int) -> float:
+        t = threshold_for(k + 1, threshold)
+        others = n - 1
+        p_collude = hypergeom.sf(t - 1, others, min(colluders, others), k)
+        p_lost = hypergeom.sf(k + 1 - t, others, min(dropped, others), k)
+        p_alone = hypergeom.pmf(k, others, min(colluders + dropped, others), k)
+        return float(min(1.0, n * (p_collude + p_lost + p_alone)))
+
+    if degree is not None:
+        return int(degree), probability(int(degree))
+    best = 1.0
+    for k in range(2, n - 1, 2):
+        best = probability(k)
+        if best <= failure:
+            return k, best
+    return 0, best
 
 
 # -- payloads <-> a JSON string and named arrays ------------------------------------------------------
@@ -175,6 +245,9 @@ def _valid(stage: str, reply, server: SecureSumServer, node: int) -> str | None:
             if not (isinstance(y, np.ndarray) and y.shape == (cfg.size,) and y.dtype == np.int64
                     and (y.size == 0 or (y.min() >= 0 and y.max() < (1 << cfg.bits)))):
                 return f"masked input is not {cfg.size} residues mod 2^{cfg.bits}"
+        elif stage == "consistency":
+            if not isinstance(reply.get("signature"), bytes):
+                return "no signature of the survivor set"
         elif stage == "unmask":
             for key in ("seed_shares", "key_shares"):
                 part = reply.get(key, {})
@@ -239,6 +312,8 @@ def run_secure_sum(transport: Transport, config: SecureSumConfig, quantizer: Fie
         sealed = server.receive_shares(ask("share_keys", {u: {"peer_keys": peer_keys[u]} for u in peer_keys}))
         extra = dict(masked_input_extra or {})
         requests = server.receive_masked(ask("masked_input", {u: {"sealed": sealed[u], **extra} for u in sealed}))
+        if server.signed:  # the signed protocol's consistency stage
+            requests = server.receive_consistency(ask("consistency", requests))
         total, survivors = server.unmask(ask("unmask", requests))
     except SecureSumRefused as exc:  # the dropouts that led to it travel with the refusal
         exc.dropped = dropped
@@ -276,18 +351,87 @@ def direct_sum(config: SecureSumConfig, quantizer: FieldQuantizer, vectors: dict
 
 
 # -- the client's step ---------------------------------------------------------------------------------
+class SumGuard:
+    """What one client allows across the secure sums of its current trained round (the client keeps
+    it between messages as JSON). Against a server that deviates:
+
+    * a sum is named ``"<round>/<kind>/<index>"`` (``SecureSumConfig.label``); the client joins a name
+      once, and only of the round it trained for (no replayed request, no second sum over the same
+      trained state under the same name, no sums restarted until a graph suits the server);
+    * every sum of a round after the first runs over exactly the first sum's survivors, at its
+      threshold, and its survivor set must be that same set: all that a round releases is then a
+      function of one sum over one set of silos (two sums over different cohorts could be subtracted).
+    """
+
+    def __init__(self, round: int | None = None, joined=(), cohort=None, threshold=None, survivors=None) -> None:
+        self.round, self.joined = round, list(joined)
+        self.cohort = None if cohort is None else sorted(int(u) for u in cohort)
+        self.threshold = threshold
+        self.survivors = None if survivors is None else sorted(int(u) for u in survivors)
+
+    def start_round(self, server_round: int) -> None:
+        """The client trained for ``server_round``: sums of earlier rounds are over."""
+        self.__init__(int(server_round))
+
+    def join(self, config: SecureSumConfig) -> None:
+        parts = str(config.label).split("/")
+        if len(parts) != 3 or not parts[0].isdigit():
+            raise SecureSumRefused(f"a secure sum without a name '<round>/<kind>/<index>' (got {config.label!r})")
+        if self.round is None or int(parts[0]) != self.round:
+            raise SecureSumRefused(f"secure sum {config.label} is not of the round this client trained for "
+                                   f"({self.round})")
+        if config.label in self.joined:
+            raise SecureSumRefused(f"secure sum {config.label} was already joined: one sum per name over one "
+                                   "trained state")
+        if self.cohort is None:
+            self.cohort, self.threshold = sorted(config.nodes), int(config.threshold)
+        else:
+            if self.survivors is None:
+                raise SecureSumRefused(f"secure sum {config.label} starts before the round's first sum ended")
+            if sorted(config.nodes) != self.survivors or int(config.threshold) != self.threshold:
+                raise SecureSumRefused(f"secure sum {config.label} runs over silos {sorted(config.nodes)} at t = "
+                                       f"{config.threshold}; every later sum of a round runs over the first sum's "
+                                       f"survivors {self.survivors} at t = {self.threshold}")
+        self.joined.append(config.label)
+
+    def unmask(self, survivors, *, record: bool = True) -> None:
+        alive = sorted(int(u) for u in survivors)
+        if self.survivors is None:
+            if record:
+                self.survivors = alive
+        elif alive != self.survivors:
+            raise SecureSumRefused(f"a later sum of the round names survivors {alive}, not the round's {self.survivors}: "
+                                   "a sum with fewer survivors is refused")
+
+    def to_json(self) -> str:
+        return json.dumps({"round": self.round, "joined": self.joined, "cohort": self.cohort,
+                           "threshold": self.threshold, "survivors": self.survivors})
+
+    @classmethod
+    def from_json(cls, text: str | None) -> "SumGuard":
+        if not text:
+            return cls()
+        d = json.loads(text)
+        return cls(d["round"], d["joined"], d["cohort"], d["threshold"], d["survivors"])
+
+
 def client_step(node: int, request: dict, saved: str | None,
-                input_fn: Callable[[dict], np.ndarray]) -> tuple[dict, str]:
+                input_fn: Callable[[dict], np.ndarray], *, identity=None, trusted=None,
+                guard: SumGuard | None = None) -> tuple[dict, str]:
     """Answer one stage of a secure sum. ``saved``: what this client stored after its previous stage
     of the same sum (None at the first); returns (reply, what to store now). ``input_fn(request)``
-    gives the client's float vector at the masked-input stage. Raises ``SecureSumRefused`` (or
-    ``ValueError`` on a malformed request): the caller turns it into an error reply."""
+    gives the client's float vector at the masked-input stage. ``identity`` and ``trusted`` make the
+    client run the signed protocol (and refuse an unsigned one); ``guard`` (updated in place) holds
+    what it allows across the sums of its round. Raises ``SecureSumRefused`` (or ``ValueError`` on a
+    malformed request): the caller turns it into an error reply."""
     stage = request.get("stage")
     if stage not in STAGES:
         raise SecureSumRefused(f"unknown secure-sum stage {stage!r}")
     config = SecureSumConfig.from_dict(request["config"])
     if stage == "advertise_keys":
-        client = SecureSumClient(node, config)
+        if guard is not None:
+            guard.join(config)
+        client = SecureSumClient(node, config, identity=identity, trusted=trusted)
         reply = client.advertise_keys()
     else:
         if saved is None:
@@ -295,7 +439,7 @@ def client_step(node: int, request: dict, saved: str | None,
         state = json.loads(saved)
         if SecureSumConfig.from_dict(decode(state["config"], {})) != config:
             raise SecureSumRefused(f"stage {stage} names another secure sum than the one this client joined")
-        client = SecureSumClient.from_state_dict(config, state["client"])
+        client = SecureSumClient.from_state_dict(config, state["client"], identity=identity, trusted=trusted)
         if stage == "share_keys":
             reply = client.share_keys(request["peer_keys"])
         elif stage == "masked_input":
@@ -312,8 +456,14 @@ def client_step(node: int, request: dict, saved: str | None,
             reply = client.masked_input(request["sealed"], residues)
             if config.bits <= 32:  # residues below 2^32 travel in 4 bytes each, not 8
                 reply = {"masked": reply["masked"].astype(np.uint32)}
+        elif stage == "consistency":
+            if guard is not None:
+                guard.unmask(request["survivors"], record=False)
+            reply = client.consistency(request["survivors"])
         else:
-            reply = client.unmask(request["survivors"], request["dropped"])
+            if guard is not None:
+                guard.unmask(request["survivors"])
+            reply = client.unmask(request["survivors"], request.get("dropped"), request.get("signatures"))
     config_text, _ = encode(config.to_dict())
     return reply, json.dumps({"config": config_text, "client": client.state_dict()})
 

@@ -69,11 +69,16 @@ def calibrate_noise_multiplier(sample_rate: float, steps: int, epsilon: float, d
 
 @dataclass
 class SiloLedger:
-    """The DP-SGD rounds one silo trained: a list of (q, σ, steps) entries, merged when equal."""
+    """Everything one silo released: DP-SGD rounds, a list of (q, σ, steps) entries merged when
+    equal, and noise shares of secure sums (distributed DP), (C, s, σ_share, d, k) entries merged
+    when equal. One ledger, so the two kinds of release compose: while it holds no noise share it is
+    priced by its accountant; with any, every release is composed in RDP at the orders of the
+    distributed discrete Gaussian (``accounting.distributed``), DP-SGD steps by opacus' analysis."""
 
     delta: float
     accountant: str = "rdp"
     entries: list = field(default_factory=list)  # [[q, sigma, steps, rounds], ...]
+    shares: list = field(default_factory=list)   # [[clip, scale, local_std, dimension, k, releases], ...]
 
     def record(self, sample_rate: float, noise_multiplier: float, steps: int) -> None:
         for entry in self.entries:
@@ -83,6 +88,15 @@ class SiloLedger:
                 return
         self.entries.append([float(sample_rate), float(noise_multiplier), int(steps), 1])
 
+    def record_share(self, share: tuple) -> None:
+        """One more noise share released: ``share = (clip, scale, local_std, dimension, k)``."""
+        key = _share_key(share)
+        for entry in self.shares:
+            if tuple(entry[:5]) == key:
+                entry[5] += 1
+                return
+        self.shares.append([*key, 1])
+
     @property
     def rounds(self) -> int:
         return sum(e[3] for e in self.entries)
@@ -91,20 +105,48 @@ class SiloLedger:
         out = [(q, s, n) for q, s, n, _ in self.entries]
         return out + ([extra] if extra else [])
 
+    def _epsilon(self, extra_event: tuple | None = None, extra_share: tuple | None = None) -> float:
+        shares = [(tuple(e[:5]), int(e[5])) for e in self.shares] + ([(_share_key(extra_share), 1)] if extra_share else [])
+        if not shares:
+            return dp_sgd_epsilon(self.events(extra_event), self.delta, self.accountant)
+        from . import distributed as DA
+
+        acc = make_accountant("rdp", orders=DA.ORDERS)
+        for q, sigma, steps in self.events(extra_event):
+            if steps > 0 and q > 0:
+                if sigma <= 0:
+                    return math.inf
+                acc.compose(dp_sgd_step(q, sigma), steps)
+        for (clip, scale, local_std, dimension, k), count in shares:
+            acc.compose_curve(DA.release_rdp(clip=clip, scale=scale, local_std=local_std, dimension=dimension,
+                                             contributors=k), count)
+        return acc.epsilon(self.delta)
+
     def epsilon(self) -> float:
-        return dp_sgd_epsilon(self.events(), self.delta, self.accountant)
+        return self._epsilon()
 
     def epsilon_if(self, sample_rate: float, noise_multiplier: float, steps: int) -> float:
-        """ε after one more round with these parameters (nothing is recorded)."""
-        return dp_sgd_epsilon(self.events((sample_rate, noise_multiplier, steps)), self.delta, self.accountant)
+        """ε after one more DP-SGD round with these parameters (nothing is recorded)."""
+        return self._epsilon(extra_event=(sample_rate, noise_multiplier, steps))
+
+    def epsilon_if_share(self, share: tuple) -> float:
+        """ε after one more noise share ``(clip, scale, local_std, dimension, k)`` (nothing is recorded)."""
+        return self._epsilon(extra_share=share)
 
     def state_dict(self) -> dict:
-        return {"delta": self.delta, "accountant": self.accountant, "entries": [list(e) for e in self.entries]}
+        return {"delta": self.delta, "accountant": self.accountant, "entries": [list(e) for e in self.entries],
+                "shares": [list(e) for e in self.shares]}
 
     @classmethod
     def from_state_dict(cls, state: dict) -> "SiloLedger":
         return cls(delta=float(state["delta"]), accountant=str(state["accountant"]),
-                   entries=[[float(q), float(s), int(n), int(r)] for q, s, n, r in state["entries"]])
+                   entries=[[float(q), float(s), int(n), int(r)] for q, s, n, r in state["entries"]],
+                   shares=[[*_share_key(e[:5]), int(e[5])] for e in state.get("shares", [])])
+
+
+def _share_key(share) -> tuple:
+    clip, scale, local_std, dimension, k = share
+    return float(clip), float(scale), float(local_std), int(dimension), int(k)
 
 
 class SiloRefusal(RuntimeError):
