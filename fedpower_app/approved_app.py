@@ -8,8 +8,9 @@ runner, which takes the SuperNode's tasks over the same Runtime API as Flower's 
 and ``flwr-clientapp``. For every message it:
 
 1. pulls the task's input (the message, the silo's context, the run and the FAB) from the SuperNode;
-2. computes the SHA-256 of the FAB's bytes (the hash ``flwr run`` computes and the SuperNode's own
-   ``--trusted-entities`` check signs), never trusting the hash the server claims;
+2. computes the SHA-256 of the FAB's bytes (the hash ``flwr run`` computes, and the one whose
+   signature the SuperNode's own ``--trusted-entities`` check verifies), never trusting the hash the
+   server claims;
 3. refuses a FAB whose hash is not in the silo's allow-list (``--approved-apps``, a file the
    operator controls): one line in the silo's log, an error reply to the server, and nothing of
    the FAB is installed, imported or run, so no file of the silo's is opened;

@@ -346,6 +346,11 @@ def _run_to_end(env, app: Path, overrides: str, timeout: float = 900) -> tuple[d
         time.sleep(2)
 
 
+def _errors(log: str) -> list[str]:
+    """The lines of a log that say what failed (a failed run's cause is far from its end)."""
+    return [line for line in log.splitlines() if "ERROR" in line or "Error" in line or "error" in line][:20]
+
+
 @pytest.mark.slow
 def test_a_guarded_silo_runs_the_approved_release_and_refuses_a_modified_one(tmp_path):
     from fedpower_app.config import load_preset
@@ -387,7 +392,7 @@ def test_a_guarded_silo_runs_the_approved_release_and_refuses_a_modified_one(tmp
             silo_env = {**env, "FLWR_HOME": str(silo / "flwr-home"), "FEDPOWER_CACHE": str(silo / "cache")}
             runtime_port = free_port()
             node_config = (f"data-dir='{silo / 'data'}' silo-id={k} dp-max-epsilon=8 "
-                           f"ledger-file='{silo / 'ledger.json'}'")
+                           f"ledger-file='{silo / 'ledger.json'}' send-shard-size=true")  # the server calibrates sigma
             cmd = [_bin("flower-supernode"), "--insecure", "--superlink", f"127.0.0.1:{port}", "--port", str(runtime_port),
                    "--node-config", node_config, "--max-retries", "5"]
             if k == 0:
@@ -409,7 +414,7 @@ def test_a_guarded_silo_runs_the_approved_release_and_refuses_a_modified_one(tmp
         # 1. the approved release runs on both silos
         status, printed = _run_to_end(env, release, overrides)
         runner = (tmp_path / "runner.log").read_text()
-        assert status["status"] == "finished:completed", (printed[-3000:], runner[-3000:])
+        assert status["status"] == "finished:completed", (_errors(printed), printed[-3000:], runner[-3000:])
         assert f"approved FAB {release_hash} (run " in runner and "train message" in runner, runner[-3000:]
         assert not list(stolen.iterdir())
 
