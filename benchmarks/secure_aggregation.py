@@ -10,7 +10,10 @@ way and the time of each round. ``dp.diagnostics = "released"`` so that every co
   ``strategy.power-iters`` secure sums of thin matrices);
 * 6 silos at client level: central DP (the server clips and adds the noise) against distributed DP
   (each silo clips and adds its share inside the secure sum), both every silo every round;
-* a cohort of 250 simulated clients, FedLoRA, SecAgg+ with 16 neighbours per client.
+* a cohort of 250 simulated clients, FedLoRA, SecAgg+ with 38 neighbours per client (the minimum
+  degree at 250 clients, a 10 % dropout rate and no colluder: ``session.minimum_degree``);
+* the signed protocol against the semi-honest one, protocol only (``protocol.simulate``): 6 silos,
+  one FedLoRA-sized vector, with and without signing keys (the consistency stage and the signatures).
 
 On the in-process grid every client's cryptography runs one after another in this process, so a
 secure round's time here is the sum of all clients' work; in a deployment they work in parallel and
@@ -39,9 +42,9 @@ SCENARIOS = {
     "6 silos, FedLoRA, client level: central vs distributed DP": dict(
         clients=6, sets=["strategy.name=\"fedlora\"", "num-server-rounds=3", "dp.level=\"client\"", "dp.clip=0.5",
                          "strategy.client-rate=1.0"]),
-    "250 clients, FedLoRA, DP-SGD on the clients, 16 neighbours": dict(
+    "250 clients, FedLoRA, DP-SGD on the clients, 38 neighbours": dict(
         clients=250, sets=["strategy.name=\"fedlora\"", "num-server-rounds=2", "task.synthetic-train-size=5000",
-                           "secagg.degree=16"]),
+                           "secagg.degree=38"]),
 }
 
 
@@ -75,6 +78,38 @@ def run_one(name: str, clients: int, sets: list[str], secure: bool, threads: int
     }
 
 
+SIGNED_TITLE = "6 silos, one secure sum of 75,000 coordinates: semi-honest vs signed protocol"
+
+
+def signed_against_semi_honest(clients: int = 6, size: int = 75_000, repeats: int = 3) -> dict:
+    """The signed protocol's cost (the consistency stage and the signatures) against the semi-honest
+    one: the product's protocol objects in this process (``protocol.simulate``), the best of
+    ``repeats`` for each, on one vector of ``size`` 32-bit residues per silo."""
+    import numpy as np
+
+    from strategies.secure_sum.identity import SiloIdentity, TrustedSilos
+    from strategies.secure_sum.protocol import simulate
+    from strategies.secure_sum.session import SecureAggregation
+
+    nodes = list(range(1, clients + 1))
+    config = SecureAggregation().config_for(nodes, size - 1, b"benchmark", label="1/trained/0")
+    rng = np.random.default_rng(0)
+    inputs = {u: rng.integers(0, 1 << 32, size=size, dtype=np.int64) for u in nodes}
+    identities = {u: SiloIdentity.generate() for u in nodes}
+    trusted = TrustedSilos([k.public for k in identities.values()])
+    out = {}
+    for side, ids in (("semi-honest", None), ("signed", identities)):
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            total, survivors = simulate(config, inputs, identities=ids, trusted=trusted if ids else None)
+            best = min(best, time.perf_counter() - t0)
+        assert len(survivors) == clients
+        out[side] = {"seconds_per_sum": best, "stages": 4 if ids is None else 5}
+    out["time_ratio"] = out["signed"]["seconds_per_sum"] / out["semi-honest"]["seconds_per_sum"]
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.secure_aggregation", description=__doc__.split("\n")[0])
     ap.add_argument("--only", action="append", default=[], help="run only the scenarios whose name contains this")
@@ -85,6 +120,7 @@ def main(argv=None) -> int:
     out = {}
     if a.merge and Path(a.out).exists():
         out = {k: v for k, v in json.loads(Path(a.out).read_text())["scenarios"].items() if k in SCENARIOS}
+        # (the signed scenario is kept below unless it runs again)
     with tempfile.TemporaryDirectory() as tmp:
         for i, (title, sc) in enumerate(SCENARIOS.items()):
             if a.only and not any(o in title for o in a.only):
@@ -95,16 +131,28 @@ def main(argv=None) -> int:
                           "time_ratio": secure["seconds_per_round"] / plain["seconds_per_round"],
                           "bytes_up_ratio": secure["bytes_up_per_client_round"] / plain["bytes_up_per_client_round"]}
             print(json.dumps({title: out[title]}, indent=1), flush=True)
+    if not a.only or any(o in SIGNED_TITLE for o in a.only):
+        out[SIGNED_TITLE] = signed_against_semi_honest()
+        print(json.dumps({SIGNED_TITLE: out[SIGNED_TITLE]}, indent=1), flush=True)
+    elif a.merge and Path(a.out).exists():
+        previous = json.loads(Path(a.out).read_text())["scenarios"].get(SIGNED_TITLE)
+        if previous:
+            out[SIGNED_TITLE] = previous
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     import os
     import platform
 
     Path(a.out).write_text(json.dumps({"command": "python -m benchmarks.secure_aggregation", "threads": a.threads,
                                        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
-                                       "scenarios": {k: out[k] for k in SCENARIOS if k in out}}, indent=1))
+                                       "scenarios": {k: out[k] for k in [*SCENARIOS, SIGNED_TITLE] if k in out}},
+                                      indent=1))
     print("| scenario | message rounds | up per client | down per client | s per round | server s | accuracy |")
     print("|---|---|---|---|---|---|---|")
     for title, r in out.items():
+        if title == SIGNED_TITLE:
+            print(f"| {title} | 4 / 5 | | | {r['semi-honest']['seconds_per_sum']:.2f} / "
+                  f"{r['signed']['seconds_per_sum']:.2f} (x{r['time_ratio']:.2f}) | | |")
+            continue
         for side in ("plain", "secure"):
             x = r[side]
             print(f"| {title} ({side}) | {x['message_rounds_per_round']:.0f} | {x['bytes_up_per_client_round'] / 1e6:.2f} MB "

@@ -1,17 +1,23 @@
 """fedpower ClientApp: local LoRA training on one silo's shard (Flower Message API).
 
-* ``query``: reports the size of the local training shard (the server needs n_i to compute the
-  sample-level rate q_s = b / n_i; this reveals n_i to the server, see docs/privacy.md).
+* ``query``: reports the size of the local training shard when the silo's policy sends it (a
+  simulated partition, or node config ``send-shard-size = true``): the server needs n_i to plan
+  q_s = b / n_i; a deployed silo keeps it by default, computes q itself and keeps its own ledger.
 * ``train``: loads the global adapters, runs L local steps and replies with the adapters it was
   told to train (``train-lora``: A and B, or only B for FFA-LoRA). When the message carries DP-SGD
   parameters (or the silo requires them) the steps are DP-SGD (``fedpower_app.training.dp_sgd``): the silo
-  first checks the parameters against its own ledger (``Context.state``) and refuses a round past
-  its budget; the refusal is an error reply the server drops and counts. Otherwise plain Adam
-  (Poisson batches when ``dp.level = sample``, for the paper's server-side mechanism).
-* ``evaluate``: evaluates the global adapters on this silo's share of the evaluation split.
+  first checks the parameters against its one ledger (its ledger file across runs, DP-SGD rounds
+  and secure sums' noise shares together) and refuses a round past its budget; the refusal is an
+  error reply the server drops and counts. Otherwise plain Adam (Poisson batches when
+  ``dp.level = sample``, for the paper's server-side mechanism). Under secure aggregation the
+  adapters stay on the silo and only masked vectors leave (``train.secagg`` messages).
+* ``evaluate``: evaluates the global adapters on this silo's share of the evaluation split, if its
+  policy agrees (counted across runs).
 
-The base model and the tokenised shard are cached per process (a Ray actor keeps them across
-rounds). Any exception becomes an error reply, which the server drops and logs.
+The silo's policy (``fedpower_app.privacy.silo_policy``) comes from its node config alone: a
+deployed SuperNode is sovereign, and starts only with a budget or a written opt-out. The base model
+and the tokenised shard are cached per process (a Ray actor keeps them across rounds). Any
+exception becomes an error reply, which the server drops and logs.
 """
 
 from __future__ import annotations

@@ -81,7 +81,8 @@ say "SuperLink up on 127.0.0.1:$PORT"
 for i in 0 1; do
     docker run -d --name "fedpower-supernode-$i" --network=host "$IMAGE" flower-supernode --insecure \
         --superlink "127.0.0.1:$PORT" --port $((PORT + 10 + i)) \
-        --node-config "partition-id=$i num-partitions=2" --max-retries 10 >/dev/null
+        --node-config "partition-id=$i num-partitions=2 dp-max-epsilon=1000 ledger-file=\"memory\" send-shard-size=true" \
+        --max-retries 10 >/dev/null
 done
 say "2 SuperNodes started; flwr run conf/tiny.toml (from inside the SuperLink's container)"
 set +e

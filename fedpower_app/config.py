@@ -147,6 +147,7 @@ SCHEMA: dict[str, tuple[type, Callable[[Any], str | None] | None]] = {
     "secagg.degree": (int, lambda v: None if v == 0 or (v >= 2 and v % 2 == 0) else
                       "must be 0 (every pair of silos) or an even integer >= 2"),
     "secagg.colluders": (int, _nonneg),
+    "secagg.dropout-rate": (float, lambda v: None if 0 <= v < 0.5 else "must be a fraction in [0, 0.5)"),
 }
 
 

@@ -131,7 +131,8 @@ class SecureRound:
             self.outcomes.append(outcome)
             return outcome
         outcome = run_secure_sum(transport, config, self.settings.quantizer(len(config.nodes)),
-                                 masked_input_extra=extra, advertised=advertised, noise=self.noise)
+                                 masked_input_extra=extra, advertised=advertised, noise=self.noise,
+                                 all_or_nothing=bool(self.outcomes))
         self.outcomes.append(outcome)
         return outcome
 

@@ -50,6 +50,13 @@ def _bin(name: str) -> str:
     return str(BIN / name) if (BIN / name).exists() else (shutil.which(name) or str(BIN / name))
 
 
+def sovereign(tmp_path, i: int) -> str:
+    """A deployed SuperNode's own privacy choice (a typed partition id does not make it a simulated
+    partition): a budget, a ledger on its disk, and its shard size sent so that the server can
+    calibrate sigma (a silo keeps it by default)."""
+    return f"dp-max-epsilon=1000 ledger-file='{tmp_path / f'ledger-{i}.json'}' send-shard-size=true"
+
+
 def run_two_supernode_deployment(tmp_path, *, node_config: str = "", run_overrides: dict | None = None) -> dict:
     """A SuperLink and two SuperNodes (node config ``partition-id=i num-partitions=2`` plus
     ``node_config``) on localhost, one round of conf/tiny.toml through ``flwr run``; returns the
@@ -76,7 +83,7 @@ def run_two_supernode_deployment(tmp_path, *, node_config: str = "", run_overrid
         for i in range(2):
             procs.append(subprocess.Popen([_bin("flower-supernode"), "--insecure", "--superlink", f"127.0.0.1:{port}",
                                            "--port", str(free_port()), "--node-config",
-                                           f"partition-id={i} num-partitions=2 {node_config}".strip(),
+                                           f"partition-id={i} num-partitions=2 {sovereign(tmp_path, i)} {node_config}".strip(),
                                            "--max-retries", "5"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         out = tmp_path / "outputs"
         overrides = run_config_arg({**load_preset(PROJECT_ROOT / "conf" / "tiny.toml"), "output-dir": str(out),
@@ -163,7 +170,8 @@ def test_tls_and_supernode_authentication(tmp_path):
         def supernode(name, key, i, *, ca=True):
             cmd = [str(BIN / "flower-supernode"), "--superlink", f"127.0.0.1:{port}", "--port", str(free_port()),
                    "--auth-supernode-private-key", str(creds / "keys" / key),
-                   "--node-config", f"partition-id={i} num-partitions=2", "--max-retries", "3", "--max-wait-time", "30"]
+                   "--node-config", f"partition-id={i} num-partitions=2 {sovereign(tmp_path, i)}", "--max-retries", "3",
+                   "--max-wait-time", "30"]
             if ca:
                 cmd += ["--root-certificates", str(creds / "ca.crt")]
             return subprocess.Popen(cmd, env=env, stdout=logs[name], stderr=subprocess.STDOUT)
@@ -227,6 +235,8 @@ def test_secure_aggregation_with_tls_and_three_supernodes(tmp_path):
     try:
         procs["superlink"] = _start_superlink(env, port, creds=creds, log=logs["superlink"])
         _wait_healthy(port, cafile=creds / "ca.crt")
+        peers = tmp_path / "peers.pub"  # each silo trusts the three registered silos' keys: signed secure sums
+        peers.write_text("".join((creds / "keys" / f"{name}.pub").read_text().strip() + "\n" for name in silos))
         for i, name in enumerate(silos):
             reg = subprocess.run([str(BIN / "flwr"), "supernode", "register", str(creds / "keys" / f"{name}.pub"),
                                   "secure"], env=env, capture_output=True, text=True, timeout=120)
@@ -234,7 +244,9 @@ def test_secure_aggregation_with_tls_and_three_supernodes(tmp_path):
             procs[name] = subprocess.Popen(
                 [str(BIN / "flower-supernode"), "--superlink", f"127.0.0.1:{port}", "--port", str(free_port()),
                  "--auth-supernode-private-key", str(creds / "keys" / name), "--root-certificates",
-                 str(creds / "ca.crt"), "--node-config", f"partition-id={i} num-partitions=3",
+                 str(creds / "ca.crt"), "--node-config",
+                 f"partition-id={i} num-partitions=3 {sovereign(tmp_path, i)} silo-signing-key='{creds / 'keys' / name}' "
+                 f"secagg-peers='{peers}'",
                  "--max-retries", "3", "--max-wait-time", "30"],
                 env=env, stdout=logs[name], stderr=subprocess.STDOUT)
         out = tmp_path / "outputs"
@@ -249,7 +261,9 @@ def test_secure_aggregation_with_tls_and_three_supernodes(tmp_path):
         assert results["secure_aggregation"]["threshold"] == 2 and results["clients"]["count"] == 3
         rows = results["rounds"]
         assert [r["released"] for r in rows] == [True, True]
-        assert all(r["aggregated"] == 3 and r["message_rounds"] == 4 for r in rows), rows
+        # 5 message rounds: the train exchange carries the keys, then shares, masked inputs, the signed
+        # survivor set and the unmask
+        assert all(r["aggregated"] == 3 and r["message_rounds"] == 5 for r in rows), rows
     finally:
         _stop_all(procs, logs)
 
@@ -275,7 +289,8 @@ def test_a_killed_supernode_is_waited_for_only_until_the_timeout_and_rejoins(tmp
 
     def supernode(i):
         return subprocess.Popen([str(BIN / "flower-supernode"), "--insecure", "--superlink", f"127.0.0.1:{port}",
-                                 "--port", str(free_port()), "--node-config", f"partition-id={i} num-partitions=2",
+                                 "--port", str(free_port()), "--node-config",
+                                 f"partition-id={i} num-partitions=2 {sovereign(tmp_path, i)}",
                                  "--max-retries", "5"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                 start_new_session=True)
     try:
@@ -444,7 +459,8 @@ def own_data_deployment(tmp_path, sites, silos, server_dir, task_keys: dict, pro
                                  env=env, capture_output=True, text=True, timeout=120)
             assert reg.returncode == 0 and "registered successfully" in reg.stdout, reg.stdout + reg.stderr
         for k, (name, silo) in enumerate(zip(names, silos)):
-            node_config = (f"data-dir='{silo}' silo-id={k} ledger-file='{silo / 'ledger.json'}' dp-max-epsilon=8")
+            node_config = (f"data-dir='{silo}' silo-id={k} ledger-file='{silo / 'ledger.json'}' dp-max-epsilon=8 "
+                           "send-shard-size=true")
             silo_env = {**env, "FEDPOWER_CACHE": str(silo / "cache")}  # tokenised rows stay on the silo too
             procs[name] = subprocess.Popen(
                 [str(BIN / "flower-supernode"), "--superlink", f"127.0.0.1:{port}", "--port", str(free_port()),

@@ -353,3 +353,63 @@ def test_a_sovereign_silo_withholds_its_shard_size_unless_its_node_config_sends_
     assert "num-examples" not in metrics  # it computes its own q and keeps its own ledger
     metrics = _query(run_config, {**node, "send-shard-size": "true"}).content.metric_records["metrics"]
     assert metrics["num-examples"] == 23
+
+
+# -- the signed protocol through the silo's ClientApp side ---------------------------------------
+
+def _signed_grid(tmp_path, app, nodes=6):
+    from fedpower_app.runs.inprocess_grid import InProcessGrid
+
+    keys, peers = signing_files(tmp_path, nodes)
+    configs = [{"dp-opt-out": "synthetic test rows", "silo-signing-key": str(k), "secagg-peers": str(peers)}
+               for k in keys]
+    return InProcessGrid(app, nodes, run_config={"dp.level": "none"}, node_configs=configs)
+
+
+@pytest.mark.parametrize("name", ["fedlora", "fedpower"])
+def test_signed_silos_release_the_same_model_as_in_the_clear_with_a_consistency_round(tmp_path, name):
+    from flwr.app import ArrayRecord
+    from tests.test_secure_rounds import client, make, run
+
+    kw = {"power_iters": 1} if name == "fedpower" else {}
+    plain, secure = make(name, False, **kw), make(name, True, **kw)
+    run(plain, client())
+    secure.start(grid=_signed_grid(tmp_path, client()), initial_arrays=ArrayRecord(secure.global_state), num_rounds=1)
+    rep = secure.reports[0]
+    assert rep.released and rep.aggregated == 6
+    sums = 1 if name == "fedlora" else 1 + 2 * 1
+    # the train exchange carries the first sum's keys; each sum has one stage more than unsigned: every
+    # survivor signs the survivor set
+    assert rep.message_rounds == 1 + 4 + 5 * (sums - 1)
+    import torch
+
+    for k in plain.global_state:
+        assert torch.allclose(secure.global_state[k], plain.global_state[k], atol=1e-4), k
+
+
+def test_a_silo_lost_in_a_later_sum_refuses_the_round_instead_of_shrinking_t(tmp_path):
+    import torch
+    from flwr.app import ArrayRecord
+    from fedpower_app.runs.inprocess_grid import InProcessGrid
+    from tests.test_secure_rounds import client, make
+
+    s = make("fedpower", True, power_iters=2)
+    before = {k: v.clone() for k, v in s.global_state.items()}
+    calls = {"n": 0}
+    inner = client()
+
+    def app(msg, context):  # silo 105 answers the first sum, then vanishes at the second
+        from strategies.secure_rounds import MESSAGE_TYPE, unpack
+
+        if context.node_id == 105 and msg.metadata.message_type == MESSAGE_TYPE:
+            request = unpack(msg.content)
+            if not str(request["config"]["label"]).endswith("/0"):
+                raise RuntimeError("silo 105 vanished")
+        calls["n"] += 1
+        return inner(msg, context)
+
+    grid = InProcessGrid(app, 6, run_config={"dp.level": "none"})
+    s.start(grid=grid, initial_arrays=ArrayRecord(s.global_state), num_rounds=1)
+    rep = s.reports[0]
+    assert not rep.released and "lost silos" in rep.secure_refused
+    assert all(torch.equal(s.global_state[k], before[k]) for k in before)

@@ -322,20 +322,25 @@ def test_privacy_plan_of_a_distributed_dp_run(capsys):
 
 
 def test_distributed_dp_calibration_meets_its_target_and_silo_accounts_at_its_own_k():
+    from fedpower_app.config import parse_config
     from fedpower_app.privacy.accounting import distributed as DA
-    from fedpower_app.privacy.distributed import silo_release_epsilon
+    from fedpower_app.privacy.accounting.silo import SiloLedger
+    from fedpower_app.privacy.silo_policy import SiloPolicy
 
     plan = DA.DistributedPlan(epsilon=4.0, delta=1e-5, num_rounds=5, clip=0.5, num_clients=6, min_contributors=4,
                               schedule=((1000,),) * 5, bits=32)
     cal = DA.calibrate(plan)
     assert 3.99 < cal.epsilon <= 4.0 and cal.wrap_probability < 1e-9
-    noise = {"clip": 0.5, "scale": cal.scale, "local-std": cal.local_std, "contributors": 4}
-    rdp = [0.0] * len(DA.ORDERS)
-    for _ in range(5):
-        rdp, eps = silo_release_epsilon(rdp, noise=noise, dimension=1000, threshold=4, colluders=0, delta=1e-5)
+
+    def silo_epsilon(colluders):
+        policy = SiloPolicy.from_node_config({"secagg-colluders": colluders}, parse_config({}), simulated=True)
+        k = policy.noise_share_contributors(threshold=4, requested=4)
+        ledger = SiloLedger(1e-5)
+        for _ in range(5):
+            ledger.record_share((0.5, cal.scale, cal.local_std, 1000, k))
+        return ledger.epsilon()
+
+    eps = silo_epsilon(0)
     assert eps == pytest.approx(cal.epsilon, rel=1e-6)  # the silo's ledger agrees with the server's plan
     # a silo assuming one colluder accounts at k = 3: more epsilon for the same shares
-    rdp3 = [0.0] * len(DA.ORDERS)
-    for _ in range(5):
-        rdp3, eps3 = silo_release_epsilon(rdp3, noise=noise, dimension=1000, threshold=4, colluders=1, delta=1e-5)
-    assert eps3 > eps * 1.1
+    assert silo_epsilon(1) > eps * 1.1

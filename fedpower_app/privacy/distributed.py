@@ -9,7 +9,6 @@ adds its share and keeps its own ledger, at its own k (``client_app``). The acco
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numpy as np
@@ -136,7 +135,10 @@ class DistributedClientDP(ServerSideDefaults):
         return (f"distributed DP: each silo adds its share of discrete Gaussian noise before the secure sum, so the "
                 f"guarantee holds against a server that adds no noise, if it colludes with at most "
                 f"{self.colluders} silo(s) (secagg.colluders) and at least t = {self.threshold} silos are in "
-                f"every sum (k = t - colluders = {self.min_contributors} unknown shares)")
+                f"every sum (k = t - colluders = {self.min_contributors} unknown shares, t fixed for every sum of a "
+                f"round); against a server that deviates from the protocol only for silos that sign their sums "
+                f"(node config silo-signing-key, secagg-peers), which each account at the k the sum proves; for a "
+                f"semi-honest server only otherwise")
 
     def describe(self) -> dict[str, Any]:
         return {"level": "client", "mechanism": "distributed discrete Gaussian (Kairouz, Liu & Steinke 2021)",
@@ -164,21 +166,3 @@ class DistributedClientDP(ServerSideDefaults):
         return {"epsilon_spent": self.epsilon(), "delta": self.delta, "level": "client", "noise_at": "distributed",
                 "rounds_released": self.rounds_recorded, "is_valid_guarantee": True,
                 "label": self.trust_statement()}
-
-
-def silo_contributors(threshold: int, requested: int, colluders: int) -> int:
-    """The k a silo accounts its own releases at: the server's, but never more than the sum's
-    threshold less the colluders the silo itself assumes."""
-    return max(1, min(int(requested), int(threshold) - int(colluders)))
-
-
-def silo_release_epsilon(ledger_rdp, *, noise: dict, dimension: int, threshold: int, colluders: int,
-                         delta: float) -> tuple[np.ndarray, float]:
-    """A silo's ledger after one more release of its share: (new RDP, its epsilon)."""
-    k = silo_contributors(threshold, noise["contributors"], colluders)
-    if not (math.isfinite(noise["local-std"]) and noise["local-std"] >= 0.5):
-        raise ValueError("the noise share's std must be >= 1/2 integer unit")
-    rdp = np.asarray(ledger_rdp, dtype=float) + DA.release_rdp(clip=float(noise["clip"]), scale=float(noise["scale"]),
-                                                               local_std=float(noise["local-std"]),
-                                                               dimension=int(dimension), contributors=k)
-    return rdp, DA.epsilon_of(rdp, delta)

@@ -28,7 +28,8 @@ class InProcessGrid(Grid):
     ``handlers`` may override the reply of given node ids (to simulate faulty clients).
     ``node_ids`` (default 100, 101, ...) gives partition i to ``node_ids[i]``; real runtimes draw
     node ids at random, so tests pass other ids to check nothing depends on them. ``node_config``
-    adds keys to every node's config (e.g. a silo's own ``dp-max-epsilon``). ``record_sent`` keeps
+    adds keys to every node's config (e.g. a silo's own ``dp-max-epsilon``), ``node_configs[i]`` to
+    partition i's only (e.g. its own signing key). ``record_sent`` keeps
     every sent message in ``sent`` (for tests); a long run turns it off, since each message holds a
     copy of the global adapter. A batch that takes longer than ``progress_every`` seconds logs its
     progress (a round of 250 clients takes minutes on a CPU).
@@ -36,7 +37,7 @@ class InProcessGrid(Grid):
 
     def __init__(self, client_app, num_nodes: int, run_config: dict | None = None, handlers: dict | None = None,
                  node_ids: list[int] | None = None, node_config: dict | None = None, record_sent: bool = True,
-                 progress_every: float = 60.0):
+                 progress_every: float = 60.0, node_configs: list[dict] | None = None):
         TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 1, 1
         self._app = client_app
         self._run = Run.create_empty(run_id=1)
@@ -45,7 +46,8 @@ class InProcessGrid(Grid):
             raise ValueError(f"need {num_nodes} distinct node ids, got {self.node_ids}")
         self._contexts = {
             nid: Context(run_id=1, node_id=nid,
-                         node_config={"partition-id": i, "num-partitions": num_nodes, **(node_config or {})},
+                         node_config={"partition-id": i, "num-partitions": num_nodes, **(node_config or {}),
+                                      **((node_configs or [{}] * num_nodes)[i])},
                          state=RecordDict(), run_config=dict(run_config or {}))
             for i, nid in enumerate(self.node_ids)
         }

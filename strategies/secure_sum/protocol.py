@@ -21,7 +21,8 @@ Stages (U1 ⊇ U2 ⊇ U3 ⊇ U4 are the clients still answering at each stage):
 t shares among the holders that answer stage 4; with the complete graph that is "at least t clients
 answer the unmask stage", i.e. up to n − t dropouts. Otherwise the server refuses (``SecureSumRefused``)
 and says which secret lacks how many shares. t must be a strict majority of a client's holders, so
-that a server which named two different dropped sets could not gather t shares of both secrets.
+that a server which named two different dropped sets to real clients could not gather t shares of
+both secrets from disjoint holders (a server that plays clients of its own can: see below).
 
 **Trust.** A semi-honest server colluding with fewer than t clients learns nothing about a client's
 x_u beyond the sum of the survivors' inputs: without b_u a masked y_u is uniform, and a client's

@@ -272,10 +272,12 @@ def noise_mechanism(config: SecureSumConfig, noise: dict):
 
 def run_secure_sum(transport: Transport, config: SecureSumConfig, quantizer: FieldQuantizer, *,
                    masked_input_extra: dict | None = None, advertised: dict | None = None,
-                   recorder=None, noise: dict | None = None) -> SumOutcome:
+                   recorder=None, noise: dict | None = None, all_or_nothing: bool = False) -> SumOutcome:
     """One secure sum over ``transport``. ``advertised``: stage-1 replies already in hand (the train
     replies carry them); ``masked_input_extra``: what every client needs for its vector (the input
-    kind, the server's basis), sent with the masked-input request. Raises ``SecureSumRefused``."""
+    kind, the server's basis), sent with the masked-input request. ``all_or_nothing``: a later sum of a
+    round, which every silo of its cohort must answer (the silos refuse a smaller survivor set, so the
+    server stops at the first dropout). Raises ``SecureSumRefused``."""
     t0 = time.perf_counter()
     server = SecureSumServer(config, recorder)
     dropped: list[dict] = []
@@ -301,7 +303,12 @@ def run_secure_sum(transport: Transport, config: SecureSumConfig, quantizer: Fie
     def ask(stage, requests):
         nonlocal rounds
         rounds += 1
-        return collect(stage, transport(stage, {u: {"stage": stage, "config": public, **r} for u, r in requests.items()}))
+        good = collect(stage, transport(stage, {u: {"stage": stage, "config": public, **r} for u, r in requests.items()}))
+        if all_or_nothing and set(good) != set(requests):
+            raise SecureSumRefused(f"a later secure sum of the round lost silos {sorted(set(requests) - set(good))} at "
+                                   f"{stage}: every sum of a round runs over the first sum's survivors, so the round is "
+                                   "refused")
+        return good
 
     try:
         if advertised is None:
