@@ -176,6 +176,9 @@ def test_a_sparse_graph_below_the_minimum_degree_is_refused():
     assert p2 > 0.01
     with pytest.raises(ValueError, match="below the minimum degree"):
         SecureAggregation(degree=2, colluders=1).config_for(list(range(1, 101)), 10, b"s")
+    sparse = SecureAggregation(degree=k, colluders=1).config_for(list(range(1, 101)), 10, b"s", label="1/trained/0")
+    with pytest.raises(SecureSumRefused, match="sparse graph"):  # a signed silo joins the complete graph only
+        silos([1], sparse, signed=True)
     statement = SecureAggregation(degree=k, colluders=1).describe(100)["statement"]
     assert "probabilistic" in statement and "semi-honest server only" in statement
     complete = SecureAggregation().describe(6)["statement"]

@@ -151,6 +151,10 @@ class SecureSumClient:
             raise ValueError(f"node {node} is not in the round's cohort")
         if (identity is None) != (trusted is None):
             raise ValueError("a signed secure sum needs both a signing key and the trusted silos' public keys")
+        if trusted is not None and config.effective_degree < len(config.nodes) - 1:
+            raise SecureSumRefused(f"client {node}: a sparse graph (degree {config.effective_degree}) in a signed sum: "
+                                   "the signed protocol runs on the complete graph (a sparse graph's seed is the "
+                                   "server's, so it is for a semi-honest server only)")
         self.node, self.config = int(node), config
         self.identity, self.trusted = identity, trusted
         self.neighbours = config.graph()[self.node]
