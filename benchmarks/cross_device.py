@@ -30,6 +30,9 @@ def one(n: int, cohort: int, rounds: int, tmp: Path) -> dict:
                         "train.local-steps": 2, "train.batch-size": 16, "train.lr": 0.003,
                         "train.lr-schedule": "constant", "strategy.client-rate": cohort / n,
                         "num-server-rounds": rounds, "dp.level": "client", "dp.clip": 0.5, "eval.every": rounds,
+                        # results.json shows each round's wall time at client level only with released
+                        # diagnostics (the time would tell the secret cohort's size)
+                        "dp.diagnostics": "released",
                         "output-dir": str(tmp), "run-name": f"n{n}"})
     grid = InProcessGrid(client_app, n, cfg.to_dict())
     run_dir = server.run_directory(cfg)
