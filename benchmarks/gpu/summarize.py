@@ -165,8 +165,9 @@ def main(argv=None) -> int:
         else:
             lines.append(f"    no profile ({probe.get('profile_error', 'the probe stopped before it')})")
         r = probe["round_estimate"]
+        products = next((c["chunk"] for c in probe["cases"] if c.get("chunk_is_products") and c["batch"] == r["batch"]), "?")
         lines.append(f"    cache {probe['cache_seconds']:.1f} s a silo; evaluation {probe['eval_seconds']:.2f} s;"
-                     f" a round ~{r['seconds']:.2f} s ({r['epochs_per_round']:.3f} epochs)")
+                     f" a round ~{r['seconds']:.2f} s in the product's chunks of {products} ({r['epochs_per_round']:.3f} epochs)")
     else:
         lines.append("probe: no probe.json")
     plan = _json(root / "run_plan.json")
