@@ -36,3 +36,6 @@ LOCAL_OPTIMIZERS = ("adam", "sgd")
 OPTIMIZER_STATES = ("round", "run")
 PRECISIONS = ("auto", "fp32", "bf16")  # train.precision: the forward under bf16 autocast or not
 POOLINGS = ("pooler", "mean")
+#: What a silo trains (``train.what``): the LoRA adapters (and the head when it trains), a linear head
+#: alone on frozen sentence features, or that head first and then the adapters (LP-FT).
+TRAIN_WHAT = ("adapters", "head", "head-then-adapters")

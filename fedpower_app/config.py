@@ -18,7 +18,7 @@ PROJECT_ROOT = Path(__file__).resolve().parents[1]
 from .choices import (  # noqa: E402
     ACCOUNTANTS, CALIBRATIONS, CLIENT_REFACTORIZATIONS, DEVICES, DIAGNOSTICS, DP_LEVELS, LOCAL_OPTIMIZERS,
     LR_SCHEDULES, NOISE_AT, OPTIMIZER_STATES, POOLINGS, PRECISIONS, NOISE_MODES, SAMPLE_MODES, STRATEGIES, TASKS,
-    PARTITIONERS, METRICS,
+    PARTITIONERS, METRICS, TRAIN_WHAT,
 )
 
 
@@ -117,6 +117,9 @@ SCHEMA: dict[str, tuple[type, Callable[[Any], str | None] | None]] = {
     "train.physical-batch-size": (int, _nonneg),
     "train.auto": (bool, None),
     "train.epochs": (float, _pos),
+    "train.what": (str, _in(TRAIN_WHAT)),
+    "train.head-rounds": (int, _nonneg),
+    "train.class-prior": (str, None),
     "eval.batch-size": (int, _min1),
     "eval.every": (int, _min1),
     "eval.fraction-clients": (float, _unit),
@@ -375,6 +378,26 @@ def _cross_checks(v: dict[str, Any]) -> None:
     if v["task.name"] == "synthetic" and v["task.data-dir"]:
         raise ConfigError("config key 'task.data-dir' is set but task.name = 'synthetic' (choose a GLUE task)")
     _text_task_checks(v)
+    _train_what_checks(v)
+
+
+def _train_what_checks(v: dict[str, Any]) -> None:
+    """``train.what``, ``train.head-rounds`` and ``train.class-prior``."""
+    if v["train.what"] != "adapters" and v["dp.level"] != "none" and not (
+            v["dp.level"] == "sample" and v["dp.noise-at"] == "silo"):
+        raise ConfigError(f"config key 'train.what' = {v['train.what']!r} trains the head on the silos' features: it "
+                          "runs with DP-SGD on the silos (dp.level = 'sample', dp.noise-at = 'silo') or without DP "
+                          "(dp.level = 'none')")
+    if v["train.what"] == "head-then-adapters" and not 0 < v["train.head-rounds"] < v["num-server-rounds"]:
+        raise ConfigError("config key 'train.head-rounds' must be in 1..num-server-rounds - 1 with train.what = "
+                          f"'head-then-adapters' (the head's rounds, then the adapters'), got {v['train.head-rounds']}")
+    if v["train.class-prior"].strip():
+        from .training.features import parse_class_prior
+
+        try:
+            parse_class_prior(v["train.class-prior"])
+        except ValueError as exc:
+            raise ConfigError(f"config key 'train.class-prior' {exc}") from None
 
 
 def _text_task_checks(v: dict[str, Any]) -> None:

@@ -194,14 +194,21 @@ def build_model(cfg: RunConfig, num_labels: int, device: torch.device | str | No
     finally:
         hf_logging.set_verbosity(verbosity)
     _seeded_init_missing(base, list(info.get("missing_keys", [])), cfg["seed"])
-    if cfg["model.pooling"] == "mean":
+    from .training.features import install_feature_forward, pair_task, uses_features
+
+    features = uses_features(cfg)
+    if features:
+        # train.what = "head" / "head-then-adapters": a linear head on the encoder's sentence
+        # features (mean-pooled, normalised; pairs encoded apart), zero-initialised
+        install_feature_forward(base, pair=pair_task(cfg), num_labels=num_labels, what=cfg["train.what"])
+    elif cfg["model.pooling"] == "mean":
         use_mean_pooling(base)
     apply_dropout(base, cfg)
     device = resolve_device(cfg["device"]) if device is None else torch.device(device)
     base = base.to(device)
     model_type = base.config.model_type
     targets = target_modules_for(model_type, cfg.target_modules, base)
-    head = HEAD_MODULES.get(model_type, ["classifier"]) if cfg["model.train-head"] else None
+    head = HEAD_MODULES.get(model_type, ["classifier"]) if cfg["model.train-head"] or features else None
     top = cfg["lora.top-layers"]
     depth = int(getattr(base.config, "num_hidden_layers", 0) or 0)
     if top and not 0 < top <= depth:
@@ -236,8 +243,11 @@ _INITIAL_STATES: dict[tuple, dict] = {}
 
 def model_cache_key(cfg: RunConfig, num_labels: int) -> tuple:
     keys = ("model.name", "model.target-modules", "model.train-head", "model.pooling", "model.dropout", "lora.rank", "lora.alpha",
-            "lora.dropout", "lora.top-layers", "seed", "device")
-    return tuple(cfg[k] for k in keys) + (num_labels,)
+            "lora.dropout", "lora.top-layers", "train.what")
+    from .training.features import pair_task, uses_features
+
+    pair = pair_task(cfg) if uses_features(cfg) else None  # the feature map's shape
+    return tuple(cfg[k] for k in keys) + (pair, cfg["seed"], cfg["device"], num_labels)
 
 
 def server_config(cfg: RunConfig) -> RunConfig:

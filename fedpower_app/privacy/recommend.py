@@ -91,13 +91,16 @@ class Recommendation:
     epsilon: float
     delta: float
     reasons: tuple[str, ...]
+    what: str = "adapters"  # train.what: "adapters" or "head" (a linear head on frozen features)
 
     def overrides(self, *, train_head: bool = False) -> dict:
         """The run-config keys that carry the plan. σ is not among them: the run calibrates it from
         dp.epsilon with the same accountant (and a non-private run at the same compute ignores it)."""
-        out = {"train.batch-size": self.batch_size, "train.local-steps": self.local_steps,
+        out = {"train.what": self.what, "train.batch-size": self.batch_size, "train.local-steps": self.local_steps,
                "num-server-rounds": self.rounds, "train.lr": self.lr, "dp.clip": self.clip}
-        if train_head:
+        if self.what == "head":
+            out["dp.head-clip"] = 0.0  # the head is all that trains: one clip, C, bounds its gradient
+        elif train_head:
             out["dp.head-clip"] = self.clip
         return out
 
@@ -121,10 +124,24 @@ def _steps(epochs: float, q: float) -> tuple[int, int, int]:
 
 
 def recommend(sizes: list[int], epsilon: float, delta: float, *, epochs: float = RECIPE_EPOCHS,
-              accountant: str = "rdp", private: bool = True) -> Recommendation:
-    """The plan of the rules (module docstring) for silos of ``sizes``; raises :class:`PlanRefused`.
-    ``private=False`` plans the non-private run at the same compute: the same epochs, without the
-    noise rule's raise of b (it answers the noise, and there is none)."""
+              accountant: str = "rdp", private: bool = True, what: str = "auto") -> Recommendation:
+    """The plan of the rules for silos of ``sizes``: what to train (``what = "auto"``: rule 0, the
+    head's rules H1-H4 when it chooses the head), then its b, L, T, σ, clip and lr; raises
+    :class:`PlanRefused`. ``what = "adapters"`` or ``"head"`` plans that choice. ``private=False``
+    plans the non-private run at the same compute: the private plan's choice and epochs, without
+    the noise rule's raise of b (it answers the noise, and there is none)."""
+    if what not in ("auto", "adapters", "head"):
+        raise ValueError(f"what must be 'auto', 'adapters' or 'head', got {what!r}")
+    if what == "adapters":
+        return adapter_plan(sizes, epsilon, delta, epochs=epochs, accountant=accountant, private=private)
+    if what == "head":
+        return head_plan(sizes, epsilon, delta, accountant=accountant, private=private)
+    return choose_what(sizes, epsilon, delta, epochs=epochs, accountant=accountant, private=private)
+
+
+def adapter_plan(sizes: list[int], epsilon: float, delta: float, *, epochs: float = RECIPE_EPOCHS,
+                 accountant: str = "rdp", private: bool = True) -> Recommendation:
+    """The adapters' plan (rules 1-6 of the module docstring); raises :class:`PlanRefused`."""
     sizes = [int(n) for n in sizes]
     if not sizes or any(n < 2 for n in sizes):
         raise ValueError(f"every silo needs at least 2 rows, got sizes {sizes}")
@@ -181,6 +198,111 @@ def recommend(sizes: list[int], epsilon: float, delta: float, *, epochs: float =
                           reasons=tuple(reasons))
 
 
+#: The head on frozen features (``train.what = "head"``; rules H1-H4 in :func:`head_plan`), measured
+#: on the MNLI, QQP and SST-2 samples at 250 to 11,224 rows a silo (RESULTS.md, "Small silos").
+HEAD_RATE = 0.25
+HEAD_STEPS = 100
+HEAD_LOCAL_STEPS = 4
+HEAD_LR = 0.05
+HEAD_CLIP = 1.0
+#: Rule 0: the adapters are chosen only where their plan puts at most the recipe's noise on a step
+#: over at least this many steps (the recipe's 56, less its 15 %); elsewhere the head.
+MIN_ADAPTER_STEPS = 48
+
+
+def head_plan(sizes: list[int], epsilon: float, delta: float, *, accountant: str = "rdp",
+              private: bool = True) -> Recommendation:
+    """The plan for a linear head on the frozen sentence features (training/features.py):
+
+    H1. **q = 0.25**: b = ⌈0.25·n_min⌉ (at least 1); a convex model with F·K coordinates learns from
+        a quarter of the silo per step, and its noise per coordinate σC/b stays far below its
+        gradient's (b in the hundreds where the adapters need thousands).
+    H2. **S = 100 steps**, L = 4 local steps, T = 25 rounds; halved (down to 12) while σ would
+        exceed :data:`MAX_NOISE_MULTIPLIER`. Compute: one encoder pass per row (the features,
+        computed once per silo), then 100 steps of a matrix product: seconds, within any epochs
+        budget of at least one epoch.
+    H3. **C = 1**: at or below every example's gradient norm at the zero-initialised head, whatever
+        the rows: the features are L2-normalised (pairs: [u, v, |u−v|, u·v] of unit u, v), so
+        ‖g_i‖ = ‖p_i − y_i‖·√(‖x_i‖² + 1) ≥ √(1 − 1/K)·√2 ≥ 1 for every class count K ≥ 2.
+    H4. **Adam at lr 0.05**, cosine over the rounds: Adam's steps do not scale with C or b.
+
+    Measured (RESULTS.md, "Small silos"): between 0.25 and 0.5 for q, 50 and 200 for S and 0.05
+    and 0.1 for lr the private head moved by under a point on each task; the rule sits in the
+    middle of that plateau, not at any task's best."""
+    sizes = [int(n) for n in sizes]
+    if not sizes or any(n < 2 for n in sizes):
+        raise ValueError(f"every silo needs at least 2 rows, got sizes {sizes}")
+    if not (epsilon > 0 and 0 < delta < 1):
+        raise ValueError(f"need epsilon > 0 and 0 < delta < 1, got {epsilon}, {delta}")
+    n_min, silos = min(sizes), len(sizes)
+    b = max(1, math.ceil(HEAD_RATE * n_min))
+    q = b / n_min
+    steps = HEAD_STEPS
+    while True:
+        local = min(HEAD_LOCAL_STEPS, steps)
+        rounds = math.ceil(steps / local)
+        sigma = calibrate_noise_multiplier(q, local * rounds, epsilon, delta, accountant)
+        if sigma <= MAX_NOISE_MULTIPLIER or steps <= 12:
+            break
+        steps //= 2
+    if private and sigma > MAX_NOISE_MULTIPLIER:
+        from .accounting.silo import dp_sgd_epsilon
+
+        fit = dp_sgd_epsilon([(q, MAX_NOISE_MULTIPLIER, local * rounds)], delta, accountant)
+        raise PlanRefused(f"epsilon {epsilon:g} is too small for the head on silos of {n_min}..{max(sizes)} rows: "
+                          f"{local * rounds} steps at q = {q:.3g} need sigma {sigma:.2f} > {MAX_NOISE_MULTIPLIER:g}; "
+                          f"what would fit: epsilon >= {fit:.3g}")
+    reasons = [
+        f"b = ceil(0.25 x n_min = {n_min}) = {b}: q = {q:.4f}, summed batch {silos * b}",
+        f"S = {local * rounds} steps: L = {local} local steps x T = {rounds} rounds"
+        + ("" if steps == HEAD_STEPS else f" (halved from {HEAD_STEPS} to keep sigma <= {MAX_NOISE_MULTIPLIER:g})"),
+        f"sigma = {sigma:.4f}: calibrated for q, {local * rounds} steps, epsilon {epsilon:g}, delta {delta:g} ({accountant})"
+        + ("" if private else "; not applied: a non-private run at the same compute"),
+        f"clip C = {HEAD_CLIP:g}: at or below every example's gradient norm at the zero head (unit-norm features)",
+        f"lr = {HEAD_LR:g} (Adam, cosine over the rounds)",
+        "compute: one encoder pass per row (its features, cached per silo), then the head's steps (seconds)",
+    ]
+    return Recommendation(batch_size=b, local_steps=local, rounds=rounds, noise_multiplier=sigma, clip=HEAD_CLIP,
+                          lr=HEAD_LR, sample_rate=q, epochs=local * rounds * q, summed_batch=silos * b,
+                          epsilon=epsilon, delta=delta, reasons=tuple(reasons), what="head")
+
+
+def choose_what(sizes: list[int], epsilon: float, delta: float, *, epochs: float = RECIPE_EPOCHS,
+                accountant: str = "rdp", private: bool = True) -> Recommendation:
+    """Rule 0, what to train: **the adapters** where their private plan (rules 1-6) puts at most the
+    SST-2 recipe's noise on a step (σ/(b√N), 10 % slack) over at least :data:`MIN_ADAPTER_STEPS`
+    steps, as the recipe did at 11,224 rows a silo (0.829, above the head's non-private 0.812 on
+    SST-2); **the head on frozen features** otherwise: fewer steps or more noise per step than the
+    recipe's is where the adapters fell behind the head on every task measured (at 1,500-1,667 rows
+    a silo, ε 8: MNLI 0.502 against the head's 0.56, QQP 0.652 (the majority) against 0.80, SST-2
+    0.786 against 0.80; RESULTS.md, "Small silos"). The rule reads the shard sizes, N, ε, δ and the
+    epochs, nothing of the rows. The non-private plan (``private=False``) follows the private one's
+    choice."""
+    try:
+        adapters = adapter_plan(sizes, epsilon, delta, epochs=epochs, accountant=accountant)
+    except PlanRefused:
+        adapters = None
+    silos = len(sizes)
+    if adapters is not None:
+        ratio = adapters.noise_multiplier / (adapters.batch_size * math.sqrt(silos))
+        steps = adapters.local_steps * adapters.rounds
+        meets = ratio <= NOISE_RATIO_LIMIT and steps >= MIN_ADAPTER_STEPS
+        why = (f"the adapters' plan has {steps} steps at {ratio / RECIPE_NOISE_RATIO:.2g}x the SST-2 recipe's noise per "
+               f"step (sigma/(b sqrt N)); the adapters need at most 1.1x over at least {MIN_ADAPTER_STEPS} steps")
+    else:
+        meets, why = False, "the adapters' plan is refused at this epsilon (sigma above the rules' limit)"
+    if meets:
+        plan = adapters if private else adapter_plan(sizes, epsilon, delta, epochs=epochs, accountant=accountant,
+                                                     private=False)
+        head = ("train.what = adapters: " + why + ": met (at fewer rows a silo the head on frozen features "
+                "is chosen)")
+    else:
+        plan = head_plan(sizes, epsilon, delta, accountant=accountant, private=private)
+        head = ("train.what = head (a linear head on the encoder's frozen sentence features): " + why
+                + ": not met, so the adapters would trail the head (RESULTS.md, \"Small silos\")")
+    return Recommendation(**{**plan.to_dict(), "reasons": (head, *plan.reasons)})
+
+
 def _refusal(sizes, epsilon, delta, epochs, q, sigma, accountant) -> str:
     from .accounting.silo import dp_sgd_epsilon
 
@@ -202,12 +324,13 @@ def _refusal(sizes, epsilon, delta, epochs, q, sigma, accountant) -> str:
 
 def render(rec: Recommendation) -> str:
     lines = [f"recommended (epsilon {rec.epsilon:g}, delta {rec.delta:g}; public rules, no privacy spent):",
+             f"  train.what = {rec.what}",
              f"  train.batch-size = {rec.batch_size}   train.local-steps = {rec.local_steps}   "
              f"num-server-rounds = {rec.rounds}",
              f"  noise multiplier sigma = {rec.noise_multiplier:.4f}   dp.clip = {rec.clip}   train.lr = {rec.lr:g}",
              "why:"] + [f"  - {r}" for r in rec.reasons]
     sets = " ".join(f"--set {k}={v!r}" if isinstance(v, str) else f"--set {k}={v}"
-                    for k, v in rec.overrides().items() if k.startswith(("train.", "num-", "dp.clip")))
+                    for k, v in rec.overrides().items() if k.startswith(("train.", "num-", "dp.clip", "dp.head-clip")))
     lines.append(f"run it: fedpower-run --set train.auto=true (or {sets})")
     return "\n".join(lines)
 
@@ -220,8 +343,12 @@ def auto_settings(cfg, sizes: list[int], explicit=()) -> tuple[dict, list[str]]:
     if cfg.dp_enabled and not (cfg["dp.level"] == "sample" and cfg["dp.noise-at"] == "silo"):
         raise ValueError("train.auto plans DP-SGD on the silos: it needs dp.level = 'sample' and dp.noise-at = 'silo' "
                          "(or dp.level = 'none' for the non-private run at the same compute)")
+    what = cfg["train.what"] if "train.what" in explicit else "auto"
+    if what == "head-then-adapters":
+        raise ValueError("train.auto plans train.what = 'adapters' or 'head' (or chooses between them); "
+                         "head-then-adapters takes its keys by hand")
     plan = recommend(sizes, cfg["dp.epsilon"], cfg["dp.delta"], epochs=cfg["train.epochs"],
-                     accountant=cfg["dp.accountant"], private=cfg.dp_enabled)
+                     accountant=cfg["dp.accountant"], private=cfg.dp_enabled, what=what)
     chosen = plan.overrides(train_head=cfg["model.train-head"])
     kept = {k: cfg[k] for k in chosen if k in explicit}
     settings = {k: v for k, v in chosen.items() if k not in explicit}

@@ -149,6 +149,16 @@ def build_prefix_cache(model, data, *, device: torch.device, batch_size: int = 2
     once, in eval mode, and keep each row's real tokens, on ``device``. Rows are attended only by
     their real tokens, so trimming the padding does not change what the layers above compute for
     them. The log line says nothing of the silo's data beyond what its process already shows."""
+    from .features import encoder_at_public_init, feature_spec, features_of
+
+    spec = feature_spec(model)
+    if spec is not None:
+        # train.what = "head" / "head-then-adapters": what a silo caches is its rows' sentence
+        # features (training.features), computed in the head's rounds; the adapter rounds of
+        # head-then-adapters run the whole encoder (each sentence of a pair apart), on the tokens.
+        if spec.what == "head" and encoder_at_public_init(model):
+            return features_of(model, data, device=device, log=log)
+        return data
     layer = lowest_adapted_layer(model)
     device = torch.device(device)
     was_training = model.training

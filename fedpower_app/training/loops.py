@@ -354,10 +354,15 @@ def evaluate(model, data: TokenizedSplit, *, batch_size: int, device: torch.devi
     as training), with macro-F1, balanced accuracy and the majority-class baseline (``metrics``).
     ``device``: the model's (default). ``logits_out``, if given, receives the logits (float32, CPU)
     batch by batch."""
+    from .features import encoder_at_public_init, feature_logits, feature_spec, features_of
     from .metrics import confusion, scores
 
     model.eval()
     device = next(model.parameters()).device if device is None else torch.device(device)
+    if feature_spec(model) is not None and encoder_at_public_init(model):
+        # a head on the public encoder's features: the split's features once, then one product
+        return _evaluate_logits(feature_logits(model, features_of(model, data, device=device)), data.labels,
+                                logits_out=logits_out, batch_size=batch_size)
     correct = torch.zeros((), dtype=torch.long, device=device)
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     matrix = None
@@ -376,3 +381,20 @@ def evaluate(model, data: TokenizedSplit, *, batch_size: int, device: torch.devi
         matrix = counts if matrix is None else matrix + counts
     extra = {k: v for k, v in scores(matrix).items() if k != "accuracy"} if matrix is not None else {}
     return {"accuracy": int(correct) / max(n, 1), "loss": float(loss_sum) / max(n, 1), "num-examples": n, **extra}
+
+
+def _evaluate_logits(logits: torch.Tensor, labels: torch.Tensor, *, logits_out: list | None,
+                     batch_size: int) -> dict[str, float]:
+    """``evaluate``'s figures from a split's logits computed at once (the feature head's)."""
+    from .metrics import confusion, scores
+
+    logits = logits.float()
+    labels = labels.to(logits.device)
+    if logits_out is not None:
+        logits_out.extend(logits[i:i + batch_size].detach().cpu() for i in range(0, len(logits), batch_size))
+    n = len(labels)
+    loss = float(torch.nn.functional.cross_entropy(logits, labels, reduction="sum").double()) if n else 0.0
+    pred = logits.argmax(-1)
+    matrix = confusion(pred, labels, logits.shape[-1]) if n else None
+    extra = {k: v for k, v in scores(matrix).items() if k != "accuracy"} if matrix is not None else {}
+    return {"accuracy": int((pred == labels).sum()) / max(n, 1), "loss": loss / max(n, 1), "num-examples": n, **extra}

@@ -24,11 +24,16 @@ def train_round(cfg, model, data, *, partition_id: int, server_round: int, train
     ``canaries``: the federated white-box audit's gradient canaries of this silo (never in a run)."""
     if train_lora not in ("AB", "B"):
         raise ValueError(f"train-lora must be 'AB' or 'B', got {train_lora!r}")
+    if head_phase(cfg, server_round):
+        if canaries is not None:
+            raise ValueError("the white-box audit's gradient canaries are planted in adapter rounds, not head-only ones")
+        return _train_head_round(cfg, model, data, partition_id=partition_id, server_round=server_round,
+                                 params=params, optimizer_carry=optimizer_carry)
     M.set_trainable(model, train_a="A" in train_lora, train_b=True)
     noise = NoiseSource(cfg["seed"], cfg["dp.noise"])
     device = next(model.parameters()).device
     streams = silo_randomness(noise, partition_id, server_round, device)
-    lr = round_lr(cfg["train.lr"], cfg["train.lr-schedule"], server_round, cfg["num-server-rounds"])
+    lr = _adapter_phase_lr(cfg, server_round)
     if params is not None:
         return dp_sgd_train_local(model, data, params=params, lr=lr,
                                   sampling_generator=streams.sampling, noise_generator=streams.dp_noise,
@@ -44,3 +49,58 @@ def train_round(cfg, model, data, *, partition_id: int, server_round: int, train
                        optimizer_carry=optimizer_carry, adam_eps=cfg["train.adam-eps"],
                        head_lr_scale=cfg["train.head-lr-scale"], label_smoothing=cfg["train.label-smoothing"],
                        precision=cfg["train.precision"], physical_batch_size=cfg["train.physical-batch-size"] or None)
+
+
+def head_phase(cfg, server_round: int) -> bool:
+    """Does round ``server_round`` train the head alone on the frozen features? Every round of
+    ``train.what = "head"``; the first ``train.head-rounds`` of ``"head-then-adapters"``."""
+    what = cfg["train.what"]
+    return what == "head" or (what == "head-then-adapters" and server_round <= cfg["train.head-rounds"])
+
+
+def _adapter_phase_lr(cfg, server_round: int) -> float:
+    """The adapters' rate: ``train.lr`` on its schedule over the run, or over the adapter phase
+    of head-then-adapters (the schedule restarts where the head's rounds end)."""
+    if cfg["train.what"] == "head-then-adapters":
+        skip = cfg["train.head-rounds"]
+        return round_lr(cfg["train.lr"], cfg["train.lr-schedule"], server_round - skip,
+                        cfg["num-server-rounds"] - skip)
+    return round_lr(cfg["train.lr"], cfg["train.lr-schedule"], server_round, cfg["num-server-rounds"])
+
+
+def head_phase_lr(cfg, server_round: int) -> float:
+    """The head's rate in a head-only round: ``train.lr`` on its schedule over the head's rounds
+    (``train.head-lr-scale`` times it in head-then-adapters, whose ``train.lr`` is the adapters')."""
+    if cfg["train.what"] == "head-then-adapters":
+        return round_lr(cfg["train.lr"] * cfg["train.head-lr-scale"], cfg["train.lr-schedule"], server_round,
+                        cfg["train.head-rounds"])
+    return round_lr(cfg["train.lr"], cfg["train.lr-schedule"], server_round, cfg["num-server-rounds"])
+
+
+def _train_head_round(cfg, model, data, *, partition_id: int, server_round: int, params: DPSGDParams | None,
+                      optimizer_carry: dict | None) -> TrainStats:
+    """A head-only round: the silo's features (computed on its first round, then cached), then
+    DP-SGD on the head with the round's parameters (or plain steps without them)."""
+    from .features import class_weights, dp_sgd_head, features_of, train_head
+
+    noise = NoiseSource(cfg["seed"], cfg["dp.noise"])
+    device = next(model.parameters()).device
+    streams = silo_randomness(noise, partition_id, server_round, device)
+    feats = features_of(model, data, device=device)
+    weights = class_weights(cfg, model_num_labels(model))
+    lr = head_phase_lr(cfg, server_round)
+    if params is not None:
+        return dp_sgd_head(model, feats, params=params, lr=lr, sampling_generator=streams.sampling,
+                           noise_generator=streams.dp_noise, secure_noise=noise.hardened,
+                           optimizer=cfg["train.optimizer"], optimizer_carry=optimizer_carry,
+                           adam_eps=cfg["train.adam-eps"], class_weight=weights)
+    return train_head(model, feats, steps=cfg["train.local-steps"], batch_size=cfg["train.batch-size"], lr=lr,
+                      generator=streams.sampling, poisson=(cfg["dp.level"] == "sample"),
+                      optimizer=cfg["train.optimizer"], optimizer_carry=optimizer_carry,
+                      adam_eps=cfg["train.adam-eps"], class_weight=weights)
+
+
+def model_num_labels(model) -> int:
+    from .features import head_tensors
+
+    return int(head_tensors(model)[0].shape[0])

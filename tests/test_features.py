@@ -1,0 +1,223 @@
+"""The head on frozen sentence features (``train.what = "head"``): the pair split, the model's
+forward against the cached features, the closed-form per-example gradients, the DP-SGD step of the
+head (clip, noise, empty batches), a silo's head round through ``train_round``, evaluation through
+the cache, the class prior, and the plan that chooses what to train."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from fedpower_app import model as M
+from fedpower_app.config import ConfigError, parse_config
+from fedpower_app.data.pipeline import TokenizedSplit
+from fedpower_app.training.dp_sgd import DPSGDParams
+from fedpower_app.training.features import (FeatureSplit, class_weights, dp_sgd_head, feature_logits, feature_spec,
+                                            features_of, head_tensors, parse_class_prior,
+                                            per_example_head_gradients, split_pair)
+
+from .tiny_bert import save_tiny_bert
+
+CPU = torch.device("cpu")
+PAIRS = [("a cat sat on the mat", "the cat is sitting"), ("it rains", "the sun shines brightly today"),
+         ("he plays chess", "chess is played by him"), ("birds fly south in winter", "no"),
+         ("stocks fell sharply", "markets were down"), ("a b c d e f g h", "x")]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return save_tiny_bert(tmp_path_factory.mktemp("tiny-bert-2"), num_layers=2)
+
+
+def pair_cfg(model_dir, **extra):
+    return parse_config({"model.name": model_dir, "lora.rank": 4, "task.max-length": 24, "task.name": "text",
+                         "task.labels": "no,yes", "task.text-column": "s1", "task.text-pair-column": "s2",
+                         "task.label-column": "y", "train.what": "head", "dp.noise": "seeded", **extra})
+
+
+def pair_split(model_dir, max_length=24) -> TokenizedSplit:
+    tok = M.load_tokenizer(model_dir)
+    enc = tok([a for a, _ in PAIRS], [b for _, b in PAIRS], truncation=True, max_length=max_length,
+              padding="max_length", return_tensors="pt")
+    labels = torch.tensor([i % 2 for i in range(len(PAIRS))])
+    return TokenizedSplit(enc["input_ids"], enc["attention_mask"], labels, enc["token_type_ids"])
+
+
+def test_a_pair_is_split_into_its_two_sentences_each_as_encoded_alone(tiny_dir):
+    tok = M.load_tokenizer(tiny_dir)
+    split = pair_split(tiny_dir)
+    (ids_a, mask_a), (ids_b, mask_b) = split_pair(split.input_ids, split.attention_mask, split.token_type_ids)
+    for i, (a, b) in enumerate(PAIRS):
+        alone_a = tok(a)["input_ids"]
+        alone_b = tok(b)["input_ids"]
+        assert ids_a[i][mask_a[i].bool()].tolist() == alone_a  # [CLS] a [SEP]
+        assert ids_b[i][mask_b[i].bool()].tolist() == alone_b  # [CLS] b [SEP]
+        assert mask_b[i][: len(alone_b)].all() and not mask_b[i][len(alone_b):].any()  # left-aligned
+
+
+def test_the_models_forward_is_the_head_on_the_cached_features(tiny_dir):
+    cfg = pair_cfg(tiny_dir)
+    model = M.build_model(cfg, 2)
+    spec = feature_spec(model)
+    assert spec.pair and spec.dim == 4 * 64
+    weight, bias = head_tensors(model)
+    assert weight.shape == (2, 256) and not weight.any() and not bias.any()  # a zero head
+    with torch.no_grad():
+        weight.normal_(generator=torch.Generator().manual_seed(0))
+        bias.fill_(0.3)
+    split = pair_split(tiny_dir)
+    model.eval()
+    with torch.no_grad():
+        forward = model(**split.batch(torch.arange(len(PAIRS)), CPU)).logits
+    feats = features_of(model, split)
+    assert features_of(model, split) is feats  # computed once per split
+    torch.testing.assert_close(feature_logits(model, feats), forward, rtol=1e-4, atol=1e-5)
+    u, v = feats.features[:, :64], feats.features[:, 64:128]
+    torch.testing.assert_close(u.norm(dim=1), torch.ones(len(PAIRS)))  # unit sentence embeddings
+    torch.testing.assert_close(feats.features[:, 128:192], (u - v).abs())
+    # the state the server averages: LoRA (untouched) and the head, an extra
+    state = M.adapter_state(model)
+    _, extras = M.split_adapter_keys(state)
+    assert sorted(extras) == ["base_model.model.classifier.bias", "base_model.model.classifier.weight"]
+
+
+def test_closed_form_per_example_gradients_equal_autograd():
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(7, 5, generator=gen)
+    y = torch.tensor([0, 2, 1, 1, 0, 2, 2])
+    w = torch.randn(3, 5, generator=gen, requires_grad=True)
+    b = torch.randn(3, generator=gen, requires_grad=True)
+    cw = torch.tensor([0.5, 1.0, 2.0])
+    r, norms, loss = per_example_head_gradients(w.detach(), b.detach(), x, y, cw)
+    for i in range(len(y)):
+        li = cw[y[i]] * torch.nn.functional.cross_entropy((x[i:i + 1] @ w.t() + b), y[i:i + 1])
+        gw, gb = torch.autograd.grad(li, (w, b))
+        torch.testing.assert_close(torch.outer(r[i], x[i]), gw)
+        torch.testing.assert_close(r[i], gb)
+        torch.testing.assert_close(norms[i], torch.cat([gw.flatten(), gb]).norm())
+
+
+class _Head(torch.nn.Module):
+    def __init__(self, dim, k):
+        super().__init__()
+        self.modules_to_save = torch.nn.Linear(dim, k)
+        torch.nn.init.zeros_(self.modules_to_save.weight)
+        torch.nn.init.zeros_(self.modules_to_save.bias)
+
+
+def _feature_data(n=64, dim=6, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    y = torch.randint(0, 2, (n,), generator=gen)
+    x = torch.nn.functional.normalize(torch.randn(n, dim, generator=gen) + 2.0 * y.unsqueeze(1).float(), dim=1)
+    return FeatureSplit(x, y)
+
+
+def test_a_noiseless_unclipped_dp_step_is_the_mean_gradient_step_over_b():
+    data = _feature_data()
+    head = _Head(6, 2)
+    params = DPSGDParams(0.0, 1e6, len(data), 1)  # q = 1: every row in; no clip, no noise
+    dp_sgd_head(head, data, params=params, lr=0.1, sampling_generator=torch.Generator().manual_seed(0),
+                noise_generator=torch.Generator().manual_seed(0), optimizer="sgd")
+    r, _, _ = per_example_head_gradients(torch.zeros(2, 6), torch.zeros(2), data.features, data.labels)
+    torch.testing.assert_close(head.modules_to_save.weight, -0.1 * (r.t() @ data.features) / len(data))
+    torch.testing.assert_close(head.modules_to_save.bias, -0.1 * r.sum(0) / len(data))
+
+
+def test_each_example_is_clipped_to_the_sensitivity_and_the_noise_is_sigma_c_over_b():
+    data = _feature_data(n=32)
+    # clipped, no noise: one step's update is the sum of per-example gradients each of norm <= C
+    head = _Head(6, 2)
+    clip = 0.05
+    dp_sgd_head(head, data, params=DPSGDParams(0.0, clip, 32, 1), lr=1.0,
+                sampling_generator=torch.Generator().manual_seed(0), noise_generator=None, optimizer="sgd")
+    r, norms, _ = per_example_head_gradients(torch.zeros(2, 6), torch.zeros(2), data.features, data.labels)
+    assert (norms > clip).all()
+    x1 = torch.cat([data.features, torch.ones(32, 1)], dim=1)
+    want = sum(torch.outer(r[i], x1[i]) * clip / (norms[i] + 1e-6) for i in range(32)) / 32
+    got = -torch.cat([head.modules_to_save.weight, head.modules_to_save.bias.unsqueeze(1)], dim=1)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+    # head clipped apart: the head is all that trains, so its clip is the whole bound sqrt(C^2 + C_h^2)
+    assert DPSGDParams(1.0, 0.3, 8, 1, head_clip=0.4).sensitivity == pytest.approx(0.5)
+    # noise only (a Poisson batch that drew no row): the update's std is sigma * C / b
+    empty = FeatureSplit(torch.ones(1, 6), torch.zeros(1, dtype=torch.long), declared_size=10 ** 9)
+    head = _Head(6, 2)
+    stats = dp_sgd_head(head, empty, params=DPSGDParams(2.0, 0.5, 10, 1), lr=1.0,
+                        sampling_generator=torch.Generator().manual_seed(0),
+                        noise_generator=torch.Generator().manual_seed(3), optimizer="sgd")
+    assert stats.empty_steps == 1 and stats.examples_seen == 0  # a noise-only step, never a skipped one
+    assert head.modules_to_save.weight.std().item() == pytest.approx(2.0 * 0.5 / 10, rel=0.5)
+
+
+def test_a_head_round_trains_the_head_only_and_evaluation_uses_the_features(tiny_dir):
+    from fedpower_app.training import evaluate
+    from fedpower_app.training.silo_round import train_round
+
+    cfg = pair_cfg(tiny_dir, **{"train.lr": 0.1})
+    model = M.build_model(cfg, 2)
+    split = pair_split(tiny_dir)
+    before = M.adapter_state(model)
+    params = DPSGDParams(1.0, 1.0, 3, 4)
+    stats = train_round(cfg, model, split, partition_id=0, server_round=1, train_lora="AB", params=params)
+    assert stats.steps == 4
+    after = M.adapter_state(model)
+    for key in before:
+        moved = not torch.equal(before[key], after[key])
+        assert moved == ("classifier" in key), key  # LoRA untouched, the head trained
+    model.eval()
+    res = evaluate(model, split, batch_size=4)
+    with torch.no_grad():
+        logits = model(**split.batch(torch.arange(len(PAIRS)), CPU)).logits
+    assert res["accuracy"] == pytest.approx((logits.argmax(-1) == split.labels).float().mean().item())
+    assert res["loss"] == pytest.approx(torch.nn.functional.cross_entropy(logits, split.labels).item(), rel=1e-4)
+
+
+def test_the_frozen_prefix_cache_of_a_head_run_is_its_features(tiny_dir):
+    from fedpower_app.training.frozen_prefix import build_prefix_cache
+
+    cfg = pair_cfg(tiny_dir, **{"train.cache-frozen": True})
+    model = M.build_model(cfg, 2)
+    split = pair_split(tiny_dir)
+    cached = build_prefix_cache(model, split, device=CPU)
+    assert isinstance(cached, FeatureSplit) and cached.features.shape == (len(PAIRS), 256)
+
+
+def test_config_keys_of_what_to_train():
+    assert parse_config({"train.what": "head"})["train.what"] == "head"
+    with pytest.raises(ConfigError, match="train.what"):
+        parse_config({"train.what": "everything"})
+    with pytest.raises(ConfigError, match="train.head-rounds"):
+        parse_config({"train.what": "head-then-adapters", "num-server-rounds": 4, "train.head-rounds": 4})
+    with pytest.raises(ConfigError, match="DP-SGD on the silos"):
+        parse_config({"train.what": "head", "dp.noise-at": "server"})
+    with pytest.raises(ConfigError, match="train.class-prior"):
+        parse_config({"train.class-prior": "0.5,0.6"})
+    assert parse_class_prior("0.85, 0.15") == [0.85, 0.15]
+    weights = class_weights(parse_config({"train.class-prior": "0.8,0.2"}), 2)
+    torch.testing.assert_close(weights, torch.tensor([1 / 1.6, 1 / 0.4]))  # each class weighs the same in all
+    assert class_weights(parse_config({}), 2) is None
+
+
+def test_the_plan_chooses_the_head_on_small_silos_and_the_adapters_on_the_recipes():
+    from fedpower_app.privacy.recommend import HEAD_CLIP, MIN_ADAPTER_STEPS, recommend, render
+
+    small = recommend([1666] * 6, 8.0, 1e-5)
+    assert small.what == "head" and small.clip == HEAD_CLIP and small.batch_size == 417
+    assert small.local_steps * small.rounds == 100 and small.overrides()["train.what"] == "head"
+    assert small.overrides(train_head=True)["dp.head-clip"] == 0.0
+    assert "train.what = head" in small.reasons[0] and "12 steps" in small.reasons[0]
+    assert "train.what = head" in render(small)
+    large = recommend([11224] * 6, 8.0, 1e-5)
+    assert large.what == "adapters" and large.local_steps * large.rounds >= MIN_ADAPTER_STEPS
+    assert "train.what = adapters" in large.reasons[0]
+    # the non-private comparator trains what the private plan chose, at its compute
+    nonprivate = recommend([1666] * 6, 8.0, 1e-5, private=False)
+    assert nonprivate.what == "head" and nonprivate.batch_size == small.batch_size
+    # a smaller epsilon: more noise per step for the adapters, so the head up to larger silos
+    assert recommend([11224] * 6, 2.0, 1e-5).what == "head"
+    # the head's sigma is the accountant's for its q and steps
+    from fedpower_app.privacy.accounting.silo import dp_sgd_epsilon
+
+    eps = dp_sgd_epsilon([(small.sample_rate, small.noise_multiplier, 100)], 1e-5)
+    assert eps == pytest.approx(8.0, rel=2e-3) and math.isfinite(eps)
