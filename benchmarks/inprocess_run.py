@@ -57,8 +57,27 @@ def main(argv=None) -> int:
         raise SystemExit(f"inprocess_run: {exc}") from None
     t0 = time.perf_counter()
     run_dir = run_inprocess(overrides, a.clients, explicit=explicit)
-    print(f"inprocess_run: {final_line(run_dir, time.perf_counter() - t0)}", file=sys.stderr)
+    print(f"inprocess_run: {final_line(run_dir, time.perf_counter() - t0)}{final_baseline(run_dir)}", file=sys.stderr)
     return 0
+
+
+def final_baseline(run_dir) -> str:
+    """The final evaluation beside the majority answer's (``training.metrics.baseline_verdict``),
+    led by the run's ``task.metric``."""
+    import json
+    from pathlib import Path
+
+    from fedpower_app.training.metrics import baseline_verdict
+
+    try:
+        res = json.loads((Path(run_dir) / "results.json").read_text())
+    except (OSError, ValueError):
+        return ""
+    evals = [r for r in res.get("rounds", []) if r.get("accuracy") is not None]
+    if not evals:
+        return ""
+    lead = str(res.get("config", {}).get("task.metric", "accuracy"))
+    return baseline_verdict(evals[-1], lead)
 
 
 if __name__ == "__main__":

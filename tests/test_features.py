@@ -221,3 +221,64 @@ def test_the_plan_chooses_the_head_on_small_silos_and_the_adapters_on_the_recipe
 
     eps = dp_sgd_epsilon([(small.sample_rate, small.noise_multiplier, 100)], 1e-5)
     assert eps == pytest.approx(8.0, rel=2e-3) and math.isfinite(eps)
+
+
+def test_the_adapter_rounds_of_head_then_adapters_train_through_the_feature_map(tiny_dir):
+    """LP-FT: the head's rounds leave LoRA alone; later rounds train the adapters through the
+    same forward (each sentence of a pair encoded apart: two passes through the LoRA layers), and
+    Opacus' per-example gradients, summed unclipped and noiseless, are the batch's gradient."""
+    from fedpower_app.training.silo_round import head_phase, train_round
+
+    cfg = pair_cfg(tiny_dir, **{"train.what": "head-then-adapters", "num-server-rounds": 3, "train.head-rounds": 1,
+                                "model.train-head": True, "train.lr": 0.01})
+    assert head_phase(cfg, 1) and not head_phase(cfg, 2)
+    split = pair_split(tiny_dir)
+    states = []
+    for params in (DPSGDParams(0.0, 1e6, 10 ** 6, 1), None):  # q = 1 (every row), no clip, no noise; plain
+        model = M.build_model(cfg, 2)
+        train_round(cfg, model, split, partition_id=0, server_round=1, train_lora="AB", params=DPSGDParams(1.0, 1.0, 3, 2))
+        head = {k: v for k, v in M.adapter_state(model).items() if "classifier" in k}
+        assert all(not v.any() for k, v in M.adapter_state(model).items() if "lora_B" in k)  # head round: B = 0
+        data = split if params is None else TokenizedSplit(split.input_ids, split.attention_mask, split.labels,
+                                                           split.token_type_ids)
+        cfg2 = cfg if params is not None else parse_config({**cfg.values, "train.local-steps": 1,
+                                                            "train.batch-size": len(PAIRS), "dp.level": "none"})
+        if params is not None:
+            params = DPSGDParams(0.0, 1e6, len(PAIRS), 1)
+            data.declared_size = None
+        torch.manual_seed(0)
+        train_round(cfg2, model, data, partition_id=0, server_round=2, train_lora="AB", params=params)
+        states.append(M.adapter_state(model))
+        assert any(v.any() for k, v in states[-1].items() if "lora_B" in k)  # the adapters moved
+        assert head.keys() <= states[-1].keys()
+    for key in states[0]:
+        torch.testing.assert_close(states[0][key], states[1][key], rtol=1e-4, atol=1e-6)
+
+
+def test_the_final_line_says_when_a_model_ends_at_the_majority_baseline():
+    from fedpower_app.training.metrics import baseline_verdict
+
+    at = baseline_verdict({"accuracy": 0.652, "majority-accuracy": 0.652}, "accuracy")
+    assert "AT THE MAJORITY BASELINE 0.6520" in at
+    assert baseline_verdict({"accuracy": 0.80, "majority-accuracy": 0.652}) == "; majority baseline 0.6520"
+    f1 = baseline_verdict({"macro-f1": 0.47, "majority-macro-f1": 0.468, "majority-accuracy": 0.881}, "macro-f1")
+    assert "AT THE MAJORITY BASELINE" in f1
+    bal = baseline_verdict({"balanced-accuracy": 0.5, "majority-macro-f1": 0.468, "majority-accuracy": 0.881},
+                           "balanced-accuracy")
+    assert "AT THE MAJORITY BASELINE 0.5000" in bal  # a constant answer's balanced accuracy: 1/K
+    assert baseline_verdict({"accuracy": 0.8}) == ""
+
+
+def test_class_weights_act_after_the_clip_and_keep_each_example_within_it():
+    data = _feature_data(n=40, seed=2)
+    weights = torch.tensor([0.5, 2.0])  # 1 / (K pi) for pi = (1.0, 0.25) (unnormalised here on purpose)
+    head = _Head(6, 2)
+    clip = 0.1
+    dp_sgd_head(head, data, params=DPSGDParams(0.0, clip, 40, 1), lr=1.0, optimizer="sgd",
+                sampling_generator=torch.Generator().manual_seed(0), noise_generator=None, class_weight=weights)
+    r, norms, _ = per_example_head_gradients(torch.zeros(2, 6), torch.zeros(2), data.features, data.labels)
+    x1 = torch.cat([data.features, torch.ones(40, 1)], dim=1)
+    scale = (weights / weights.max())[data.labels]  # the rare class at 1, the other at 1/4
+    want = sum(torch.outer(r[i], x1[i]) * min(1.0, clip / (norms[i] + 1e-6)) * scale[i] for i in range(40)) / 40
+    got = -torch.cat([head.modules_to_save.weight, head.modules_to_save.bias.unsqueeze(1)], dim=1)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)

@@ -165,3 +165,13 @@ def test_train_auto_is_resolved_by_every_launcher_and_refused_unresolved_by_the_
     refuse_unresolved(parse_config(out))
     with pytest.raises(ConfigError, match="train.auto is resolved when a run is launched"):
         refuse_unresolved(parse_config(base))
+
+
+def test_a_lead_metric_other_than_accuracy_asks_for_the_declared_class_shares():
+    base = {"dp.noise-at": "silo", "task.metric": "macro-f1"}
+    _, lines = auto_settings(parse_config(base), [1000] * 6)
+    assert any("no train.class-prior" in line for line in lines)
+    _, lines = auto_settings(parse_config({**base, "train.class-prior": "0.85,0.15"}), [1000] * 6)
+    assert any("each class weighs the same in the head's loss" in line for line in lines)
+    _, lines = auto_settings(parse_config({"dp.noise-at": "silo"}), [1000] * 6)
+    assert not any("class-prior" in line for line in lines)

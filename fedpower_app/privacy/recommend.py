@@ -357,4 +357,22 @@ def auto_settings(cfg, sizes: list[int], explicit=()) -> tuple[dict, list[str]]:
              + ("" if cfg.dp_enabled else f" -- the epochs of the private plan at epsilon {cfg['dp.epsilon']:g}, "
                 "at the batch b0 (the noise rule does not apply without noise)")]
     lines += [f"train.auto: {r}" for r in plan.reasons]
+    lines += [f"train.auto: {line}" for line in imbalance_notes(cfg, settings.get("train.what", cfg["train.what"]))]
     return settings, lines
+
+
+def imbalance_notes(cfg, what: str) -> list[str]:
+    """What the plan says when the lead metric (``task.metric``) is macro-F1 or balanced accuracy:
+    a loss that counts examples rewards the majority answer, and the rules read no label count of a
+    silo, so the classes' shares must be declared (``train.class-prior``, public)."""
+    if cfg["task.metric"] == "accuracy":
+        return []
+    if not cfg["train.class-prior"].strip():
+        return [f"task.metric = {cfg['task.metric']} but no train.class-prior: the loss counts examples, so a rare class "
+                "weighs little and the majority answer is rewarded; declare the classes' public shares "
+                "(train.class-prior = \"0.85,0.15\") for a loss in which every class weighs the same"]
+    if what != "head":
+        return [f"train.class-prior weighs the head's rounds only; train.what = {what} trains the adapters with the "
+                "plain loss"]
+    return [f"train.class-prior = {cfg['train.class-prior']}: each class weighs the same in the head's loss (weights "
+            "applied after the clip, at most 1: no privacy cost)"]

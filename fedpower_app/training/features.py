@@ -25,10 +25,12 @@ every example's gradient of the (weighted) cross-entropy, g_i = (p_i - y_i) [x_i
 the DP-SGD sensitivity, adds N(0, (σ·C)²) to the sum and divides by b: the same subsampled
 Gaussian mechanism, with the same parameters, as the silo's ledger charges for an adapter round.
 
-Class weights (``train.class-prior``): the loss of an example of class k is weighted by
-1 / (K · π_k), π the prior the operator declares (public, never the silo's label counts). The
-clip bounds each example's weighted gradient as it bounds an unweighted one, so the guarantee is
-unchanged.
+Class weights (``train.class-prior``): an example of class k weighs 1 / (K · π_k), π the prior
+the operator declares (public, never the silo's label counts). Under DP-SGD the weight multiplies
+the example's gradient *after* its clip, divided by the largest weight (the rarest class's weight
+is 1, the others less): weighting before the clip would be undone by it (nearly every example's
+gradient is above C), and weights of at most 1 keep every example's share of the sum within C, so
+the guarantee is unchanged.
 """
 
 from __future__ import annotations
@@ -341,8 +343,9 @@ def dp_sgd_head(model, data: FeatureSplit, *, params, lr: float, sampling_genera
     """One silo's round of DP-SGD on the head alone (``params``: the round's ``DPSGDParams``, as
     the silo's ledger charges them). Each of the L steps: a Poisson batch at q = b / n, every
     example's gradient clipped to C = ``params.sensitivity`` (the whole bound the accountant's σ is
-    relative to: the head is all that trains), N(0, (σC)²) on each coordinate of the sum, divided
-    by b, one optimizer step. An empty batch is a noise-only step."""
+    relative to: the head is all that trains), then times its class's weight over the largest
+    (``class_weight``; module docstring), N(0, (σC)²) on each coordinate of the sum, divided by b,
+    one optimizer step. An empty batch is a noise-only step."""
     from .loops import TrainStats, batch_indices, keep_optimizer, local_optimizer, resume_optimizer
 
     problems = params.problems()
@@ -363,8 +366,11 @@ def dp_sgd_head(model, data: FeatureSplit, *, params, lr: float, sampling_genera
         with torch.no_grad():
             if len(idx):
                 x, y = x_all[idx], y_all[idx]
-                r, norms, loss = per_example_head_gradients(weight, bias, x, y, class_weight)
+                r, norms, loss = per_example_head_gradients(weight, bias, x, y)
                 factors = (clip / (norms + 1e-6)).clamp(max=1.0)
+                if class_weight is not None:  # after the clip, at most 1: each example still adds <= C
+                    w = class_weight.to(x.device)
+                    factors = factors * (w / w.max())[y]
                 rc = r * factors.unsqueeze(1)
                 grad_w, grad_b = rc.t() @ x, rc.sum(dim=0)
                 loss_sum += float(loss)

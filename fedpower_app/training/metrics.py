@@ -44,3 +44,33 @@ def scores(matrix: torch.Tensor) -> dict[str, float]:
         # a constant answer c: F1_c = 2p / (1 + p), every other present class 0
         "majority-macro-f1": (2 * majority / (1 + majority)) / classes,
     }
+
+
+#: A final lead metric within this of the majority answer's is "at the majority baseline": it has
+#: learned nothing a constant answer does not give (QQP's private adapters ended exactly there).
+AT_MAJORITY_MARGIN = 0.005
+
+
+def baseline_verdict(metrics: dict, lead: str = "accuracy") -> str:
+    """The words a final line puts beside the lead metric: ``"; <lead> 0.652 = the majority
+    baseline 0.652: the model learned nothing a constant answer does not give"`` when it ends at
+    (or under) the majority answer's figure, else ``"; majority baseline 0.652"``; empty when the
+    evaluation gave no baseline. ``lead``: accuracy, macro-f1 or balanced-accuracy (``task.metric``),
+    each compared with a constant answer's figure of the same metric."""
+    value = metrics.get(lead)
+    if value is None:
+        return ""
+    if lead == "accuracy":
+        base = metrics.get("majority-accuracy")
+    elif lead == "macro-f1":
+        base = metrics.get("majority-macro-f1")
+    else:
+        f1, acc = metrics.get("majority-macro-f1"), metrics.get("majority-accuracy")
+        # a constant answer's balanced accuracy is 1/K, K the classes present (read off its macro-F1)
+        base = None if not f1 or not acc else 1.0 / max(1, round((2 * acc / (1 + acc)) / f1))
+    if base is None:
+        return ""
+    if value <= base + AT_MAJORITY_MARGIN:
+        return (f"; {lead} {value:.4f} is AT THE MAJORITY BASELINE {base:.4f}: the model learned nothing a constant "
+                "answer does not give")
+    return f"; majority baseline {base:.4f}"
