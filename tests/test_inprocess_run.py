@@ -41,3 +41,26 @@ def test_product_entry_point_rejects_a_bad_config_before_training(tmp_path, caps
     with pytest.raises(SystemExit):
         R.main(["--config-json", str(cfg), "--clients", "4"])
     assert "JSON object" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("strategy", ["fedpower", "ffa-lora"])
+def test_a_head_run_trains_the_head_on_features_and_every_strategy_averages_it(tmp_path, capsys, strategy):
+    """train.what = "head": the silos train the head alone on their cached features under DP-SGD; the
+    server's strategy releases the averaged head and leaves the adapters at their initial state;
+    the final line sets the accuracy beside the majority baseline."""
+    import torch
+    from safetensors.torch import load_file
+
+    rc = inprocess_run.main([
+        "--preset", "conf/tiny.toml", "--clients", "2", "--name", "head", "--out", str(tmp_path),
+        "--set", f'strategy.name="{strategy}"', "--set", 'train.what="head"', "--set", "dp.clip=1.0",
+        "--set", "train.lr=0.05", "--set", 'dp.noise="seeded"'])
+    assert rc == 0
+    res = json.loads((tmp_path / "head" / "results.json").read_text())
+    assert res["status"] == "completed" and 0 < res["rounds"][-1]["epsilon"] <= 8.0 * (1 + 1e-6)
+    assert "majority baseline" in capsys.readouterr().err
+    weights = load_file(str(tmp_path / "head" / "adapter" / "adapter_model.safetensors"))
+    heads = [v for k, v in weights.items() if "classifier" in k and k.endswith("weight")]
+    assert heads and all(h.abs().sum() > 0 for h in heads)  # the head moved from zero
+    assert all(not v.any() for k, v in weights.items() if "lora_B" in k)  # the adapters did not
+    assert torch.isfinite(torch.cat([v.flatten() for v in weights.values()])).all()
