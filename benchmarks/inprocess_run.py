@@ -62,22 +62,17 @@ def main(argv=None) -> int:
 
 
 def final_baseline(run_dir) -> str:
-    """The final evaluation beside the majority answer's (``training.metrics.baseline_verdict``),
-    led by the run's ``task.metric``."""
+    """The final evaluation beside the majority answer's (``training.metrics.final_baseline``)."""
     import json
     from pathlib import Path
 
-    from fedpower_app.training.metrics import baseline_verdict
+    from fedpower_app.training.metrics import final_baseline as of_results
 
     try:
         res = json.loads((Path(run_dir) / "results.json").read_text())
     except (OSError, ValueError):
         return ""
-    evals = [r for r in res.get("rounds", []) if r.get("accuracy") is not None]
-    if not evals:
-        return ""
-    lead = str(res.get("config", {}).get("task.metric", "accuracy"))
-    return baseline_verdict(evals[-1], lead)
+    return of_results(res)
 
 
 if __name__ == "__main__":

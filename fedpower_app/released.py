@@ -16,7 +16,9 @@ Load it with plain PEFT::
     base = AutoModelForSequenceClassification.from_pretrained(resolve_model_path("minilm"), num_labels=2)
     model = PeftModel.from_pretrained(base, "outputs/<run>/adapter").eval()
 
-A run with ``model.pooling = "mean"`` also needs ``fedpower_app.model.use_mean_pooling(base)`` before
+A run with ``train.what = "head"`` (or ``"head-then-adapters"``) classifies the sentence features
+(``fedpower_app.training.features.install_feature_forward``, recorded as ``features`` in
+``fedpower.json``). A run with ``model.pooling = "mean"`` also needs ``fedpower_app.model.use_mean_pooling(base)`` before
 ``PeftModel.from_pretrained`` (``fedpower.json`` records the pooling),
 or in one call with ``load_released("outputs/<run>/adapter")``, which reads the base model and the
 number of labels from ``fedpower.json`` beside the adapter.
@@ -51,6 +53,11 @@ def save_released(model, directory: str | Path, *, base_model: str, num_labels: 
     from safetensors.torch import load_file, save_file
 
     directory = Path(directory)
+    from .training.features import feature_spec
+
+    spec = feature_spec(model)
+    if spec is not None:  # train.what = head / head-then-adapters: the classifier reads the sentence features
+        meta = {**meta, "features": {"pair": spec.pair, "what": spec.what}}
     model.save_pretrained(str(directory))
     missing = sorted(getattr(model, "fedpower_missing_keys", ()))
     weights = load_file(str(directory / WEIGHTS_FILE))
@@ -95,7 +102,12 @@ def load_released(directory: str | Path, *, device: str | torch.device = "cpu"):
                                                                   torch_dtype=torch.float32)
     finally:
         hf_logging.set_verbosity(verbosity)
-    if meta.get("pooling", "pooler") == "mean":
+    if meta.get("features"):
+        from .training.features import install_feature_forward
+
+        install_feature_forward(base, pair=bool(meta["features"]["pair"]), num_labels=meta["num_labels"],
+                                what=str(meta["features"].get("what", "head")))
+    elif meta.get("pooling", "pooler") == "mean":
         from .model import use_mean_pooling
 
         use_mean_pooling(base)

@@ -525,7 +525,9 @@ def _run(grid: Grid, cfg: RunConfig, run_dir: Path, results: ResultsWriter, chec
         " [a guarantee: noise and coins from generators seeded with OS entropy that no output holds]" if claim["valid"] else
         " [reproducible mode: not a guarantee against whoever holds the seed]" if claim["mode"] == "reproducible"
         else " [not a valid guarantee: the paper's calibration]")
-    log.info("run %s %s: final accuracy %s, %s%s; results %s; model %s", run_dir.name, status,
-             "n/a" if acc is None else f"{acc:.4f}",
+    from fedpower_app.training.metrics import final_baseline
+
+    log.info("run %s %s: final accuracy %s%s, %s%s; results %s; model %s", run_dir.name, status,
+             "n/a" if acc is None else f"{acc:.4f}", final_baseline(results.data),
              "non-private" if eps is None else f"epsilon {eps:.3f} (delta {cfg['dp.delta']:g})", kind,
              results.path, adapter_dir)

@@ -285,3 +285,23 @@ def test_class_weights_act_after_the_clip_and_keep_each_example_within_it():
     want = sum(torch.outer(r[i], x1[i]) * min(1.0, clip / (norms[i] + 1e-6)) * scale[i] for i in range(40)) / 40
     got = -torch.cat([head.modules_to_save.weight, head.modules_to_save.bias.unsqueeze(1)], dim=1)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
+def test_a_saved_head_model_reloads_as_the_model_it_evaluated(tiny_dir, tmp_path):
+    from fedpower_app.released import load_released, save_released
+
+    cfg = pair_cfg(tiny_dir)
+    model = M.build_model(cfg, 2)
+    weight, bias = head_tensors(model)
+    with torch.no_grad():
+        weight.normal_(generator=torch.Generator().manual_seed(1))
+        bias.fill_(-0.2)
+    split = pair_split(tiny_dir)
+    batch = split.batch(torch.arange(len(PAIRS)), CPU)
+    model.eval()
+    with torch.no_grad():
+        expected = model(**batch).logits
+    save_released(model, tmp_path / "adapter", base_model=tiny_dir, num_labels=2)
+    reloaded, _tok = load_released(tmp_path / "adapter")
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(**batch).logits, expected, rtol=1e-5, atol=1e-6)

@@ -74,3 +74,13 @@ def baseline_verdict(metrics: dict, lead: str = "accuracy") -> str:
         return (f"; {lead} {value:.4f} is AT THE MAJORITY BASELINE {base:.4f}: the model learned nothing a constant "
                 "answer does not give")
     return f"; majority baseline {base:.4f}"
+
+
+def final_baseline(results: dict) -> str:
+    """The words for a run's final line: its last evaluated round beside the majority answer's figure
+    (:func:`baseline_verdict`), led by the run's ``task.metric``; ``results`` is results.json's content."""
+    evals = [r for r in results.get("rounds", []) if r.get("accuracy") is not None]
+    if not evals:
+        return ""
+    lead = str(results.get("config", {}).get("task.metric", "accuracy"))
+    return baseline_verdict(evals[-1], lead)
