@@ -389,8 +389,8 @@ def _train_what_checks(v: dict[str, Any]) -> None:
                           "runs with DP-SGD on the silos (dp.level = 'sample', dp.noise-at = 'silo') or without DP "
                           "(dp.level = 'none')")
     if v["train.what"] == "head-then-adapters" and not 0 < v["train.head-rounds"] < v["num-server-rounds"]:
-        raise ConfigError("config key 'train.head-rounds' must be in 1..num-server-rounds - 1 with train.what = "
-                          f"'head-then-adapters' (the head's rounds, then the adapters'), got {v['train.head-rounds']}")
+        raise ConfigError("config key 'train.head-rounds' must be in 1..num-server-rounds - 1 when train.what is "
+                          f"head-then-adapters (the head's rounds, then the adapters'), got {v['train.head-rounds']}")
     if v["train.class-prior"].strip():
         from .training.features import parse_class_prior
 

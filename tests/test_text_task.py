@@ -408,11 +408,12 @@ def test_train_auto_runs_the_plan_in_the_in_process_runner(tmp_path, tiny_model_
     for k, v in sets.items():
         argv += ["--set", f"{k}={json.dumps(v)}" if not isinstance(v, bool) else f"{k}={str(v).lower()}"]
     assert inprocess_main(argv) == 0
-    assert "train.auto: train.batch-size=" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "train.auto: train.what=" in err and "train.batch-size=" in err
     res = json.loads((tmp_path / "out" / "auto" / "results.json").read_text())
     plan = recommend([200, 200, 200], 8.0, 1e-5, epochs=1.0)
     cfg = res["config"]
     assert res["status"] == "completed" and cfg["train.auto"] is False
-    assert (cfg["train.batch-size"], cfg["train.local-steps"], cfg["num-server-rounds"]) == \
-        (plan.batch_size, plan.local_steps, plan.rounds)
+    assert (cfg["train.what"], cfg["train.batch-size"], cfg["train.local-steps"], cfg["num-server-rounds"]) == \
+        (plan.what, plan.batch_size, plan.local_steps, plan.rounds)
     assert len(res["rounds"]) == plan.rounds
