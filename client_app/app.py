@@ -500,8 +500,9 @@ def _secure_sum_reply(context: Context, *, json_request: str | None = None, requ
     identity, trusted = _secure_identity(policy)
     guard_record = context.state.config_records.get(SECURE_GUARD_KEY)
     guard = SumGuard.from_json(str(guard_record["state"]) if guard_record is not None else None)
+    colluders = max(policy.colluders, int(silo_run_config(context)["secagg.colluders"]))
     reply, saved = client_step(int(context.node_id), request, saved, input_fn, identity=identity, trusted=trusted,
-                               guard=guard)
+                               guard=guard, colluders=colluders)
     context.state[SECURE_STATE_KEY] = ConfigRecord({"state": saved})
     context.state[SECURE_GUARD_KEY] = ConfigRecord({"state": guard.to_json()})
     return pack(reply)

@@ -416,3 +416,15 @@ def test_a_silo_lost_in_a_later_sum_refuses_the_round_instead_of_shrinking_t(tmp
     rep = s.reports[0]
     assert not rep.released and "lost silos" in rep.secure_refused
     assert all(torch.equal(s.global_state[k], before[k]) for k in before)
+
+
+def test_a_signed_silo_refuses_a_threshold_that_colluders_could_split():
+    # 6 silos at t = 4: two survivor sets cannot both gather 4 signatures unless 2 colluders sign both
+    config = cohort_config([1, 2, 3, 4, 5, 6])
+    key = SiloIdentity.generate()
+    request = {"stage": "advertise_keys", "config": config.to_dict()}
+    signed = dict(identity=key, trusted=TrustedSilos([key.public]))
+    client_step(1, request, None, lambda r: None, colluders=1, **signed)  # 8 > 7: joins
+    with pytest.raises(SecureSumRefused, match=r"t > \(n \+ colluders\) / 2"):
+        client_step(1, request, None, lambda r: None, colluders=2, **signed)
+

@@ -424,18 +424,23 @@ class SumGuard:
 
 def client_step(node: int, request: dict, saved: str | None,
                 input_fn: Callable[[dict], np.ndarray], *, identity=None, trusted=None,
-                guard: SumGuard | None = None) -> tuple[dict, str]:
+                guard: SumGuard | None = None, colluders: int = 0) -> tuple[dict, str]:
     """Answer one stage of a secure sum. ``saved``: what this client stored after its previous stage
     of the same sum (None at the first); returns (reply, what to store now). ``input_fn(request)``
     gives the client's float vector at the masked-input stage. ``identity`` and ``trusted`` make the
     client run the signed protocol (and refuse an unsigned one); ``guard`` (updated in place) holds
-    what it allows across the sums of its round. Raises ``SecureSumRefused`` (or ``ValueError`` on a
-    malformed request): the caller turns it into an error reply."""
+    what it allows across the sums of its round. ``colluders``: the silos this client assumes collude
+    with the server; a signed sum needs t > (n + colluders) / 2, or two survivor sets could each
+    gather t signatures. Raises ``SecureSumRefused`` (or ``ValueError`` on a malformed request): the
+    caller turns it into an error reply."""
     stage = request.get("stage")
     if stage not in STAGES:
         raise SecureSumRefused(f"unknown secure-sum stage {stage!r}")
     config = SecureSumConfig.from_dict(request["config"])
     if stage == "advertise_keys":
+        if trusted is not None and 2 * config.threshold <= len(config.nodes) + int(colluders):
+            raise SecureSumRefused(f"a signed sum of {len(config.nodes)} silos at t = {config.threshold} cannot keep two "
+                                   f"survivor sets apart with {colluders} colluder(s): it needs t > (n + colluders) / 2")
         if guard is not None:
             guard.join(config)
         client = SecureSumClient(node, config, identity=identity, trusted=trusted)
