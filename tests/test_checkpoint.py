@@ -235,7 +235,8 @@ def test_silo_ledger_file_survives_a_server_restart_and_a_seeded_rerun_is_not_pa
     release: not paid again) and round 3, which the silos admit within their own budget."""
     cfg = {**TINY, "output-dir": str(tmp_path), "dp.noise-at": "silo", "dp.diagnostics": "released"}
     nodes = {str(i): {"ledger-file": str(tmp_path / f"silo{i}" / "ledger.json"), "dp-max-epsilon": 8.0,
-                      "dp-noise": "seeded"} for i in range(2)}  # these silos opt into reproducible mode
+                      "dp-noise": "seeded", "send-shard-size": "true"}  # reproducible mode and n: their choice
+             for i in range(2)}
     assert run_worker(cfg, "checkpoint-tmp-written:2", nodes) == -signal.SIGKILL
     paid = json.loads((tmp_path / "silo0" / "ledger.json").read_text())
     assert paid["ledger"]["entries"][0][3] == 2 and len(paid["paid"]) == 2
