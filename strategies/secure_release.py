@@ -22,6 +22,7 @@ each silo's reply from the server (docs/secure-aggregation.md states what it ass
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -33,7 +34,7 @@ from . import mechanisms as MECH
 from .releases import Release
 from .secure_sum import contributions as C
 from .secure_sum.power import powerdp_l_through_sums, refactorize_through_sums
-from .secure_sum.protocol import SecureSumConfig, SecureSumRefused
+from .secure_sum.protocol import SecureSumRefused
 from .secure_sum.session import SecureAggregation, SumOutcome, Transport, encode, run_secure_sum
 
 log = logging.getLogger("fedpower")
@@ -57,11 +58,6 @@ def unsupported_reason(engine) -> str | None:
     if engine.method_name in ("input-perturbation", "output-perturbation"):
         return f"{engine.method_name} is a server-side noise mechanism"
     return None
-
-
-def out_survivors_shrank(outcomes) -> bool:
-    """Did a sum of the round end with fewer survivors than the first?"""
-    return any(len(o.survivors) != len(outcomes[0].survivors) for o in outcomes[1:])
 
 
 class SecureRound:
@@ -104,13 +100,8 @@ class SecureRound:
     def _later_config(self, size):
         """A later sum of the round: over exactly the first sum's survivors, at the first sum's t (the
         silos refuse anything else: ``session.SumGuard``)."""
-        first = self.outcomes[0]
-        if len(first.survivors) < self.first.threshold:
-            raise SecureSumRefused(f"only {len(first.survivors)} silo(s) left for the round's next secure sum")
-        return SecureSumConfig(nodes=tuple(first.survivors), size=size + 1, bits=self.first.bits,
-                               threshold=self.first.threshold, degree=self.first.degree if self.first.degree and
-                               self.first.degree < len(first.survivors) - 1 else 0,
-                               graph_seed=os.urandom(16), label=self._label())
+        return dataclasses.replace(self.first, nodes=tuple(self.outcomes[0].survivors), size=size + 1,
+                                   graph_seed=os.urandom(16), label=self._label())
 
     def _label(self) -> str:
         return f"{self.server_round}/{self.kind}/{len(self.outcomes)}"
@@ -177,24 +168,20 @@ class SecureRound:
         """(sum_right, sum_left, head): FedPower's averaged secure sums of thin products per module,
         ``suffix`` "" (the trained factors) or "-delta" (the clipped round delta, distributed DP);
         the first sum is announced in the train message and carries the head; later sums run over
-        the survivors of the one before. ``denominator(outcome)``: what a sum is divided by."""
+        its survivors, all or nothing (``run_secure_sum``). ``denominator(outcome)``: what a sum is
+        divided by."""
         engine = self.engine
         shapes = engine.expected_reply_shapes()
         head: dict = {}
-        cohort = {"nodes": None}
 
         def averaged(kind, basis, extras):
             bases = {m: b.detach().numpy().astype(np.float32) for m, b in basis.items()}  # orthonormal to 1e-7
             extra = {"input": kind, "modules": engine.modules, "basis": bases, "extras": list(extras)}
-            if cohort["nodes"] is None:
+            if not self.outcomes:
                 out = self._sum(transport, self.first, extra, advertised)
             else:
-                if out_survivors_shrank(self.outcomes):
-                    raise SecureSumRefused("a later secure sum of the round lost silos: every sum of a round runs over "
-                                           "the first sum's survivors, so the round is refused")
                 size = C.vector_size(kind, shapes, engine.modules, engine.rank, extras)
                 out = self._sum(transport, self._later_config(size), extra)
-            cohort["nodes"] = out.survivors
             return out.total / denominator(out)
 
         def split(vec, rows_of):
@@ -206,7 +193,7 @@ class SecureRound:
             return out, at
 
         def sum_right(Q):
-            extras = engine.extras if cohort["nodes"] is None else []
+            extras = engine.extras if not self.outcomes else []
             vec = averaged("power-right" + suffix, Q, extras)
             out, at = split(vec, lambda m: (shapes[m + C.LORA_B][0], engine.rank))
             if extras:

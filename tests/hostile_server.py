@@ -73,8 +73,8 @@ def padded_survivors_attack(honest: dict[int, SecureSumClient], sybil_ids, targe
         x = inputs.get(u, np.zeros(config.size, dtype=np.int64))
         masked[u] = c.masked_input(mine, x)["masked"]
     t = config.threshold
-    seed_shares = [s.__dict__["_seed_shares"][target] for s in sybils.values()]
-    key_shares = {v: [s.__dict__["_key_shares"][v] for s in sybils.values()] for v in honest if v != target}
+    seed_shares = [s._seed_shares[target] for s in sybils.values()]
+    key_shares = {v: [s._key_shares[v] for s in sybils.values()] for v in honest if v != target}
     for h, client in honest.items():
         if h == target:
             continue
@@ -88,7 +88,7 @@ def padded_survivors_attack(honest: dict[int, SecureSumClient], sybil_ids, targe
     b_target = MK.combine_secret(seed_shares[:t])
     y = sub_mod(masked[target], MK.mask(b_target, config.size, config.bits, b"self"), config.bits)
     partners = {v: MK.combine_secret(shares[:t]) for v, shares in key_shares.items()}
-    partners.update({s: c.__dict__["_mask_keys"].secret for s, c in sybils.items()})
+    partners.update({s: c._mask_keys.secret for s, c in sybils.items()})
     return _remove_pairwise(y, target, adverts[target]["mask_key"], partners, config)
 
 
@@ -109,7 +109,7 @@ def substituted_keys_attack(target_client: SecureSumClient, others, x: np.ndarra
     for v, c in shadows.items():  # each shadow opens what the target sealed for it
         c.masked_input({target: sealed_by_target[v], **{u: s[v] for u, s in sealed.items() if v in s}},
                        np.zeros(config.size, dtype=np.int64))
-    b_target = MK.combine_secret([c.__dict__["_seed_shares"][target] for c in shadows.values()][:config.threshold])
+    b_target = MK.combine_secret([c._seed_shares[target] for c in shadows.values()][:config.threshold])
     y = sub_mod(masked, MK.mask(b_target, config.size, config.bits, b"self"), config.bits)
     return _remove_pairwise(y, target, advert["mask_key"],
-                            {v: c.__dict__["_mask_keys"].secret for v, c in shadows.items()}, config)
+                            {v: c._mask_keys.secret for v, c in shadows.items()}, config)

@@ -354,8 +354,9 @@ def _errors(log: str) -> list[str]:
 @pytest.mark.slow
 def test_a_guarded_silo_runs_the_approved_release_and_refuses_a_modified_one(tmp_path):
     from fedpower_app.config import load_preset
-    from fedpower_app.launcher import flwr_env, run_config_arg
-    from tests.test_deployment import BIN, _bin, _start_superlink, _stop_all, _wait_healthy, free_port
+    from fedpower_app.launcher import run_config_arg
+    from tests.test_deployment import (BIN, _bin, _start_superlink, _stop_all, _wait_healthy, free_port,
+        insecure_deployment_home)
     from tests.test_text_task import TEXT_KEYS, review_rows, write
     from tests.tiny_bert import save_tiny_bert
 
@@ -376,12 +377,7 @@ def test_a_guarded_silo_runs_the_approved_release_and_refuses_a_modified_one(tmp
     secret = silos[0] / "superexec-secret"
     secret.write_bytes(b"a secret only silo 0's SuperNode and runner hold")
 
-    home = tmp_path / "flwr-home"
-    home.mkdir()
-    port = free_port()
-    (home / "config.toml").write_text(
-        f'[superlink]\ndefault = "deploy"\n\n[superlink.deploy]\naddress = "127.0.0.1:{port}"\ninsecure = true\n')
-    env = flwr_env(home)
+    env, port = insecure_deployment_home(tmp_path)
     names = ("superlink", "guarded-supernode", "runner", "plain-supernode")
     logs = {name: open(tmp_path / f"{name}.log", "w") for name in names}
     procs = {}

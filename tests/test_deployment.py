@@ -50,6 +50,17 @@ def _bin(name: str) -> str:
     return str(BIN / name) if (BIN / name).exists() else (shutil.which(name) or str(BIN / name))
 
 
+def insecure_deployment_home(tmp_path) -> tuple[dict, int]:
+    """A Flower home in ``tmp_path`` whose default connection, ``deploy``, is a SuperLink without TLS on
+    a free localhost port: (the environment that uses it, the port)."""
+    home = tmp_path / "flwr-home"
+    home.mkdir()
+    port = free_port()
+    (home / "config.toml").write_text(
+        f'[superlink]\ndefault = "deploy"\n\n[superlink.deploy]\naddress = "127.0.0.1:{port}"\ninsecure = true\n')
+    return flwr_env(home), port
+
+
 def sovereign(tmp_path, i: int) -> str:
     """A deployed SuperNode's own privacy choice (a typed partition id does not make it a simulated
     partition): a budget, a ledger on its disk, and its shard size sent so that the server can
@@ -61,12 +72,7 @@ def run_two_supernode_deployment(tmp_path, *, node_config: str = "", run_overrid
     """A SuperLink and two SuperNodes (node config ``partition-id=i num-partitions=2`` plus
     ``node_config``) on localhost, one round of conf/tiny.toml through ``flwr run``; returns the
     run's results.json after asserting that Flower saw it complete."""
-    home = tmp_path / "flwr-home"
-    home.mkdir()
-    port = free_port()
-    (home / "config.toml").write_text(
-        f'[superlink]\ndefault = "deploy"\n\n[superlink.deploy]\naddress = "127.0.0.1:{port}"\ninsecure = true\n')
-    env = flwr_env(home)
+    env, port = insecure_deployment_home(tmp_path)
     procs = []
     try:
         procs.append(subprocess.Popen([_bin("flower-superlink"), "--insecure", "--host", "127.0.0.1", "--port", str(port),
@@ -279,12 +285,7 @@ def test_a_killed_supernode_is_waited_for_only_until_the_timeout_and_rejoins(tmp
     counted; the SuperNode is started again (a new node id) and its silo rejoins a later round."""
     import signal
 
-    home = tmp_path / "flwr-home"
-    home.mkdir()
-    port = free_port()
-    (home / "config.toml").write_text(
-        f'[superlink]\ndefault = "deploy"\n\n[superlink.deploy]\naddress = "127.0.0.1:{port}"\ninsecure = true\n')
-    env = flwr_env(home)
+    env, port = insecure_deployment_home(tmp_path)
     procs = []
 
     def supernode(i):

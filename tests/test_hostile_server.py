@@ -9,15 +9,15 @@ positive control that shows each test could fail. docs/privacy.md's threat model
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
-from flwr.app import ConfigRecord, Context, RecordDict
+from flwr.app import Context, RecordDict
 
 from fedpower_app.config import parse_config
 from fedpower_app.privacy.accounting.silo import SiloLedger, SiloRefusal
 from fedpower_app.privacy.silo_policy import SiloPolicy, simulation_engine
-from strategies.secure_sum.field import FieldQuantizer
 from strategies.secure_sum.identity import IdentityError, SiloIdentity, TrustedSilos
 from strategies.secure_sum.protocol import SecureSumRefused
 from strategies.secure_sum.session import (
@@ -117,8 +117,6 @@ def _guarded_sum(nodes, label, inputs, guards, *, threshold=None):
     settings = SecureAggregation(threshold=0.6)
     config = settings.config_for(list(nodes), 4, b"seed", label=label)
     if threshold is not None:
-        from dataclasses import replace
-
         config = replace(config, threshold=threshold)
     saved = {u: None for u in nodes}
 
@@ -162,8 +160,7 @@ def test_a_later_sum_at_another_threshold_is_refused_and_the_server_keeps_t_for_
     guard.join(cohort_config(nodes, label="1/power-right/0"))
     guard.unmask(nodes)
     with pytest.raises(SecureSumRefused, match="at t = 4"):
-        guard.join(cohort_config(nodes, label="1/power-left/1").__class__(
-            nodes=tuple(nodes), size=8, bits=32, threshold=5, label="1/power-left/1"))
+        guard.join(replace(cohort_config(nodes, label="1/power-left/1"), threshold=5))
     with pytest.raises(SecureSumRefused, match="fewer survivors is refused"):
         guard.unmask(nodes[:5])
 
@@ -225,8 +222,6 @@ def signing_files(root, count: int = 1):
 
 def _share_request(threshold=4, nodes=(1, 2, 3, 4, 5, 6), size=2000):
     cfg = cohort_config(nodes, size=size)
-    from dataclasses import replace
-
     return {"config": {**replace(cfg, threshold=threshold).to_dict(), "noise": dict(SHARE)}}
 
 

@@ -371,7 +371,7 @@ class SiloDPSGD(PlanAndCommit):
             noise_line,
             (f"privacy: a silo that trains all T={self.num_rounds} rounds ends at eps {self.planned_epsilon:.3f}; "
              f"no silo is sent a round past eps {self.epsilon_target:g}" if self.planned_epsilon is not None else
-             f"privacy: the silos withheld their sizes: each silo's own ledger enforces its budget"),
+             "privacy: the silos withheld their sizes: each silo's own ledger enforces its budget"),
         ]
 
     def final_report(self) -> dict[str, Any]:

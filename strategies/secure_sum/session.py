@@ -95,10 +95,10 @@ class SecureAggregation:
         else:
             failure = 0.0
             graph = "the complete graph (every pair of silos masks)"
-            malicious = (f"against a server that deviates from the protocol it holds for silos that sign their keys "
-                         f"(node config silo-signing-key and secagg-peers: signed keys, a signed survivor set, "
-                         f"one sum per round, kind and index over one set of silos); silos without signing keys "
-                         f"are protected from a semi-honest server only")
+            malicious = ("against a server that deviates from the protocol it holds for silos that sign their keys "
+                         "(node config silo-signing-key and secagg-peers: signed keys, a signed survivor set, "
+                         "one sum per round, kind and index over one set of silos); silos without signing keys "
+                         "are protected from a semi-honest server only")
         return {
             "protocol": "SecAgg+ (Bell et al. 2020) on Flower's Message API, with SecAgg's signed consistency "
                         "round when the silos sign (Bonawitz et al. 2017)",
