@@ -11,6 +11,11 @@ head's b, L, T, lr) against the rows a silo holds, on several tasks, with seeds,
 
     python -m benchmarks.small_silos --extract qqp.pt --preset conf/text-dp.toml --set task.data-dir='"DIR"' ...
     python -m benchmarks.small_silos --features qqp.pt --rows 500,1667 --seeds 3 --out results/small-silos/qqp.json
+
+``--carve 1000`` holds out that many train rows (a seeded draw) and reports on them instead of the
+evaluation split, so that settings are chosen without reading the split the results report;
+``--plan grid`` runs every (q, steps, lr) of ``--grid-rates``, ``--grid-steps`` and ``--grid-lrs``
+against the rule's own setting (the check of the head's constants in RESULTS.md, "Small silos").
 """
 
 from __future__ import annotations
@@ -90,6 +95,16 @@ def run_head(train, dev, *, rows_per_silo: int, silos: int, epsilon: float, delt
     return res
 
 
+def carve(train, rows: int, seed: int = 123):
+    """(the train split less ``rows`` rows, those rows): a seeded draw, the product's row order kept."""
+    x, y = train
+    if not 0 < rows < len(y):
+        raise ValueError(f"--carve {rows}: need 0 < rows < {len(y)} (the train split's rows)")
+    order = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
+    held, rest = order[:rows].sort().values, order[rows:].sort().values
+    return (x[rest], y[rest]), (x[held], y[held])
+
+
 def extract(argv) -> int:
     """``--extract OUT``: the whole train and first evaluation split's features of a preset's task."""
     ap = argparse.ArgumentParser()
@@ -131,8 +146,14 @@ def main(argv=None) -> int:
     ap.add_argument("--epsilon", type=float, default=8.0)
     ap.add_argument("--delta", type=float, default=1e-5)
     ap.add_argument("--seeds", type=int, default=3)
-    ap.add_argument("--plan", choices=("rule", "fixed"), default="rule",
-                    help="rule: b, L, T, lr and the clip of recommend.head_plan; fixed: the flags below")
+    ap.add_argument("--plan", choices=("rule", "fixed", "grid"), default="rule",
+                    help="rule: b, L, T, lr and the clip of recommend.head_plan; fixed: the flags below; "
+                         "grid: every setting of the --grid-* lists, then the rule's")
+    ap.add_argument("--grid-rates", default="0.1,0.25,0.5")
+    ap.add_argument("--grid-steps", default="50,100,200")
+    ap.add_argument("--grid-lrs", default="0.02,0.05,0.1")
+    ap.add_argument("--carve", type=int, default=0,
+                    help="report on this many rows held out of train (a seeded draw), not the evaluation split")
     ap.add_argument("--rate", type=float, default=0.5)
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--local-steps", type=int, default=4)
@@ -153,25 +174,36 @@ def main(argv=None) -> int:
 
         prior = parse_class_prior(a.class_prior)
         weights = torch.tensor([1.0 / (len(prior) * p) for p in prior])
+    train, dev = data["train"], data["dev"]
+    if a.carve:
+        train, dev = carve(train, a.carve)
     rows_out = []
-    for rows in [int(r) for r in a.rows.split(",")]:
+
+    def settings(rows: int):
+        """(setting, b, L, T, lr, C) of each run at ``rows`` a silo."""
+        plan = head_plan([rows] * a.silos, a.epsilon, a.delta)
+        rule = ("rule", plan.batch_size, plan.local_steps, plan.rounds, plan.lr, plan.clip)
         if a.plan == "rule":
-            plan = head_plan([rows] * a.silos, a.epsilon, a.delta)
-            b, local, rounds, lr, clip = plan.batch_size, plan.local_steps, plan.rounds, plan.lr, plan.clip
-        else:
-            b = max(1, round(a.rate * rows))
-            local = min(a.local_steps, a.steps)
-            rounds = math.ceil(a.steps / local)
-            lr, clip = a.lr, a.clip
+            return [rule]
+        out = []
+        grid = ([(q, s, lr) for q in map(float, a.grid_rates.split(",")) for s in map(int, a.grid_steps.split(","))
+                 for lr in map(float, a.grid_lrs.split(","))] if a.plan == "grid" else [(a.rate, a.steps, a.lr)])
+        for q, steps, lr in grid:
+            local = min(a.local_steps, steps)
+            out.append((f"q={q:g} steps={steps} lr={lr:g}", max(1, math.ceil(q * rows)), local,
+                        math.ceil(steps / local), lr, a.clip))
+        return out + [rule] if a.plan == "grid" else out
+
+    for rows, (setting, b, local, rounds, lr, clip) in [(r, s) for r in map(int, a.rows.split(",")) for s in settings(r)]:
         for private in ((True, False) if a.nonprivate else (True,)):
             accs, f1s, t0 = [], [], time.perf_counter()
             for seed in range(a.seeds):
-                res = run_head(data["train"], data["dev"], rows_per_silo=rows, silos=a.silos, epsilon=a.epsilon,
+                res = run_head(train, dev, rows_per_silo=rows, silos=a.silos, epsilon=a.epsilon,
                                delta=a.delta, batch_size=b, local_steps=local, rounds=rounds, lr=lr, clip=clip,
                                seed=seed, private=private, optimizer=a.optimizer, class_weight=weights)
                 accs.append(res["accuracy"])
                 f1s.append(res.get("macro-f1", float("nan")))
-            row = {"rows_per_silo": rows, "private": private, "batch_size": b, "local_steps": local, "rounds": rounds,
+            row = {"rows_per_silo": rows, "setting": setting, "private": private, "batch_size": b, "local_steps": local, "rounds": rounds,
                    "lr": lr, "clip": clip, "sigma": res["sigma"], "optimizer": a.optimizer,
                    "accuracy_mean": float(torch.tensor(accs).mean()), "accuracy_std": float(torch.tensor(accs).std()) if len(accs) > 1 else 0.0,
                    "macro_f1_mean": float(torch.tensor(f1s).mean()), "accuracies": accs,
@@ -180,7 +212,8 @@ def main(argv=None) -> int:
             print(json.dumps(row), flush=True)
     if a.out:
         with open(a.out, "w") as fh:
-            json.dump({"features": a.features, "epsilon": a.epsilon, "delta": a.delta, "silos": a.silos,
+            json.dump({"features": a.features, "evaluated_on": f"{a.carve} rows carved from train" if a.carve
+                       else "the evaluation split", "epsilon": a.epsilon, "delta": a.delta, "silos": a.silos,
                        "rows": rows_out}, fh, indent=1)
     return 0
 

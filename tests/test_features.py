@@ -305,3 +305,74 @@ def test_a_saved_head_model_reloads_as_the_model_it_evaluated(tiny_dir, tmp_path
     reloaded, _tok = load_released(tmp_path / "adapter")
     with torch.no_grad():
         torch.testing.assert_close(reloaded(**batch).logits, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_each_phase_of_head_then_adapters_clips_to_its_own_bound(tiny_dir, monkeypatch):
+    """LP-FT: a head round clips the head's gradient to dp.head-clip, an adapter round the adapters'
+    to dp.clip under the head the probe left (frozen); sigma, b and L are the message's in both, so
+    the ledger's charge is the one the message states. At one shared clip the adapters' C = 0.035
+    clips every head gradient (norms near 1) to the same force, and the measured probe ended at the
+    majority class (RESULTS.md, "Small silos")."""
+    from fedpower_app.training import silo_round
+    from fedpower_app.training.silo_round import phase_params, train_round
+
+    cfg = pair_cfg(tiny_dir, **{"train.what": "head-then-adapters", "num-server-rounds": 3, "train.head-rounds": 1,
+                                "model.train-head": True, "train.lr": 0.01})
+    sent = DPSGDParams(1.3, 0.035, 4, 2, head_clip=1.0)
+    head_round, adapter_round = phase_params(cfg, sent, 1), phase_params(cfg, sent, 2)
+    assert (head_round.clip, head_round.head_clip, head_round.sensitivity) == (1.0, 0.0, 1.0)
+    assert (adapter_round.clip, adapter_round.head_clip, adapter_round.sensitivity) == (0.035, 0.0, 0.035)
+    for derived in (head_round, adapter_round):
+        assert (derived.noise_multiplier, derived.batch_size, derived.local_steps) == (1.3, 4, 2)
+    # without dp.head-clip the head's rounds clip to dp.clip; an adapters run applies what it is sent
+    assert phase_params(cfg, DPSGDParams(1.3, 0.5, 4, 2), 1).clip == 0.5
+    adapters_cfg = pair_cfg(tiny_dir, **{"train.what": "adapters", "model.train-head": True})
+    assert phase_params(adapters_cfg, sent, 1) is sent
+    assert phase_params(cfg, None, 1) is None
+
+    # the head round's DP-SGD runs at the head's clip
+    seen = []
+    real = silo_round._train_head_round
+    monkeypatch.setattr(silo_round, "_train_head_round",
+                        lambda *a, **k: (seen.append(k["params"]), real(*a, **k))[1])
+    model = M.build_model(cfg, 2)
+    split = pair_split(tiny_dir)
+    train_round(cfg, model, split, partition_id=0, server_round=1, train_lora="AB", params=sent)
+    assert seen == [head_round]
+    head = {k: v.clone() for k, v in M.adapter_state(model).items() if "classifier" in k}
+    assert any(v.any() for v in head.values())
+    # the adapter round moves LoRA and leaves the head as the head round left it
+    train_round(cfg, model, split, partition_id=0, server_round=2, train_lora="AB",
+                params=DPSGDParams(0.0, 1e6, len(PAIRS), 1))
+    after = M.adapter_state(model)
+    assert any(v.any() for k, v in after.items() if "lora_B" in k)
+    for key, value in head.items():
+        torch.testing.assert_close(after[key], value)
+
+
+def test_the_small_silos_benchmark_reports_on_carved_rows_and_runs_a_grid_beside_the_rule(tmp_path):
+    """``benchmarks.small_silos --carve N``: the settings are checked on rows held out of train (a
+    seeded draw, disjoint from the silos' rows), never on the split the results report."""
+    import json
+
+    from benchmarks.small_silos import carve, main
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.nn.functional.normalize(torch.randn(400, 8, generator=g), dim=1)
+    y = (x[:, 0] > 0).long()
+    (xr, yr), (xh, yh) = carve((x, y), 100)
+    assert len(yh) == 100 and len(yr) == 300
+    rest, held = {tuple(r.tolist()) for r in xr}, {tuple(r.tolist()) for r in xh}
+    assert not rest & held and len(rest | held) == 400
+    assert torch.equal(carve((x, y), 100)[1][0], xh)  # seeded: the same rows every time
+    with pytest.raises(ValueError, match="--carve"):
+        carve((x, y), 400)
+    features = tmp_path / "f.pt"
+    torch.save({"train": (x, y), "dev": (x[:10], 1 - y[:10])}, features)  # a dev split that reads wrong
+    out = tmp_path / "grid.json"
+    assert main(["--features", str(features), "--carve", "100", "--rows", "40", "--seeds", "1", "--plan", "grid",
+                 "--grid-rates", "0.5", "--grid-steps", "8", "--grid-lrs", "0.1", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["evaluated_on"] == "100 rows carved from train"
+    assert [r["setting"] for r in report["rows"]] == ["q=0.5 steps=8 lr=0.1", "rule"]
+    assert all(r["accuracy_mean"] > 0.5 for r in report["rows"])  # scored on carved rows, not the flipped dev

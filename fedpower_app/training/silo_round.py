@@ -13,6 +13,7 @@ from strategies.noise import NoiseSource
 
 from .. import model as M
 from .dp_sgd import DPSGDParams, dp_sgd_train_local
+from .features import head_tensors
 from .loops import TrainStats, round_lr, silo_randomness, train_local
 
 
@@ -24,12 +25,16 @@ def train_round(cfg, model, data, *, partition_id: int, server_round: int, train
     ``canaries``: the federated white-box audit's gradient canaries of this silo (never in a run)."""
     if train_lora not in ("AB", "B"):
         raise ValueError(f"train-lora must be 'AB' or 'B', got {train_lora!r}")
+    params = phase_params(cfg, params, server_round)
     if head_phase(cfg, server_round):
         if canaries is not None:
             raise ValueError("the white-box audit's gradient canaries are planted in adapter rounds, not head-only ones")
         return _train_head_round(cfg, model, data, partition_id=partition_id, server_round=server_round,
                                  params=params, optimizer_carry=optimizer_carry)
     M.set_trainable(model, train_a="A" in train_lora, train_b=True)
+    if cfg["train.what"] == "head-then-adapters":  # the adapters learn under the head the probe trained
+        for tensor in head_tensors(model):
+            tensor.requires_grad_(False)
     noise = NoiseSource(cfg["seed"], cfg["dp.noise"])
     device = next(model.parameters()).device
     streams = silo_randomness(noise, partition_id, server_round, device)
@@ -56,6 +61,23 @@ def head_phase(cfg, server_round: int) -> bool:
     ``train.what = "head"``; the first ``train.head-rounds`` of ``"head-then-adapters"``."""
     what = cfg["train.what"]
     return what == "head" or (what == "head-then-adapters" and server_round <= cfg["train.head-rounds"])
+
+
+def phase_params(cfg, params: DPSGDParams | None, server_round: int) -> DPSGDParams | None:
+    """The DP-SGD parameters a round applies, from those its message carries (and its ledger
+    charges: σ, b, L): in a head-only round, the head's clip (``dp.head-clip`` when set, else
+    ``dp.clip``); in an adapter round of head-then-adapters, the adapters' clip alone (the head
+    stays as the head's rounds left it). Each round clips every example to its own C and adds
+    N(0, (σC)²): one Gaussian mechanism of multiplier σ whatever C is, so the ledger's charge is
+    the same (docs/privacy.md, "The head on frozen features"). Adapter rounds of ``adapters`` runs
+    apply ``params`` as sent."""
+    if params is None or cfg["train.what"] == "adapters":
+        return params
+    if head_phase(cfg, server_round):
+        clip = params.head_clip or params.clip
+    else:
+        clip = params.clip
+    return DPSGDParams(params.noise_multiplier, clip, params.batch_size, params.local_steps)
 
 
 def _adapter_phase_lr(cfg, server_round: int) -> float:
