@@ -123,7 +123,9 @@ def test_run_sh_stops_after_a_failing_first_step_with_its_outputs_packed(tmp_pat
     session's folder is packed with a summary that names the failure."""
     env = {**os.environ, "OUT": str(tmp_path / "out"), "WORK": str(tmp_path / "work"),
            "CARRY": str(tmp_path / "no-carry"),
-           "GLUE_SST2_DIR": str(tmp_path / "no-such-data"), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+           "GLUE_SST2_DIR": str(tmp_path / "no-such-data"), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
+           # run.sh calls `python`: this interpreter's, whether or not its environment is activated
+           "PATH": os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])}
     proc = subprocess.run(["bash", str(GPU / "run.sh"), "120", "--dry-run"], capture_output=True, text=True,
                           cwd=ROOT, env=env, timeout=300)
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
