@@ -127,6 +127,17 @@ def dp_sgd_sensitivity(clip: float, head_clip: float = 0.0) -> float:
     return math.sqrt(clip * clip + head_clip * head_clip) if head_clip else float(clip)
 
 
+def dp_sgd_phase_clips(what: str, clip: float, head_clip: float = 0.0) -> dict[str, float]:
+    """Each phase's per-example clip when the silos train the head on frozen features
+    (``train.what``): a head round clips the head to C_h (C when C_h = 0), an adapter round of
+    head-then-adapters the adapters to C (the head frozen). Every round adds N(0, (σ·its clip)²):
+    the Gaussian mechanism of multiplier σ in each phase. Empty for ``adapters`` runs."""
+    if what == "adapters":
+        return {}
+    return {"head rounds": float(head_clip or clip),
+            **({"adapter rounds": float(clip)} if what == "head-then-adapters" else {})}
+
+
 def head_noise_ratio_problem(ratio: float, head_clip: float) -> Optional[str]:
     """Why ``ratio`` (``dp.head-noise-ratio``) is unusable with this head clip, or None."""
     if not (math.isfinite(ratio) and (ratio == 0 or ratio > 1)):

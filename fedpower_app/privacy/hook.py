@@ -212,7 +212,9 @@ class SiloDPSGD(PlanAndCommit):
         # ... and take its own share of the noise (strategies.mechanisms.dp_sgd_group_multipliers).
         self.head_noise_ratio = cfg["dp.head-noise-ratio"] if self.head_clip else 0.0
         # train.what = head / head-then-adapters: each phase clips to its own C (training.silo_round.phase_params)
-        self.what = cfg["train.what"]
+        from strategies.mechanisms import dp_sgd_phase_clips
+
+        self.phase_clips = dp_sgd_phase_clips(cfg["train.what"], self.clip_norm, self.head_clip)
         self.silos = list(client_sizes)  # population order: silo i is self.silos[i]
         self.sizes = dict(client_sizes)
         # A silo of its own may withhold its size (n = 0 here): it samples and accounts with its own n, and
@@ -321,10 +323,8 @@ class SiloDPSGD(PlanAndCommit):
         return {"source": self.source, "mechanism": "dp-sgd on the silos (Opacus)", "level": "sample",
                 "noise_at": "silo", "noise_multiplier": self.sigma, "clip": self.clip_norm,
                 "head_clip": self.head_clip, "head_noise_ratio": self.head_noise_ratio,
-                "silo_noise_stds": (dict(zip(("adapters", "head"), self.silo_noise_stds)) if self.what == "adapters" else
-                                    {"head rounds": self.sigma * (self.head_clip or self.clip_norm),
-                                     **({"adapter rounds": self.sigma * self.clip_norm}
-                                        if self.what == "head-then-adapters" else {})}),
+                "silo_noise_stds": ({phase: self.sigma * c for phase, c in self.phase_clips.items()} if self.phase_clips
+                                    else dict(zip(("adapters", "head"), self.silo_noise_stds))),
                 "batch_size": self.batch_size, "local_steps": self.local_steps, "epsilon": self.epsilon_target,
                 "delta": self.delta, "accountant": self.accountant, "planned_rounds": self.num_rounds,
                 "planned_epsilon": self.planned_epsilon,
@@ -352,11 +352,11 @@ class SiloDPSGD(PlanAndCommit):
     def summary_lines(self) -> list[str]:
         known = [r for r in self.rates.values() if r is not None]
         q = max(known) if known else None
-        if self.what != "adapters":
-            head_c = self.head_clip or self.clip_norm
+        if self.phase_clips:
+            head_c = self.phase_clips["head rounds"]
             noise_line = (f"privacy: each step of a head round: the head's gradient clipped to C={head_c:g}, noise std "
                           f"on the clipped sum sigma*C={self.sigma * head_c:.4g}")
-            if self.what == "head-then-adapters":
+            if "adapter rounds" in self.phase_clips:
                 noise_line += (f"; of an adapter round: the adapters' clipped to C={self.clip_norm:g} (the head stays "
                                f"as its rounds left it), sigma*C={self.sigma * self.clip_norm:.4g}; every round one "
                                f"Gaussian mechanism of multiplier sigma")

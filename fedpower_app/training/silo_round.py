@@ -73,10 +73,10 @@ def phase_params(cfg, params: DPSGDParams | None, server_round: int) -> DPSGDPar
     apply ``params`` as sent."""
     if params is None or cfg["train.what"] == "adapters":
         return params
-    if head_phase(cfg, server_round):
-        clip = params.head_clip or params.clip
-    else:
-        clip = params.clip
+    from strategies.mechanisms import dp_sgd_phase_clips
+
+    clips = dp_sgd_phase_clips(cfg["train.what"], params.clip, params.head_clip)
+    clip = clips["head rounds" if head_phase(cfg, server_round) else "adapter rounds"]
     return DPSGDParams(params.noise_multiplier, clip, params.batch_size, params.local_steps)
 
 
