@@ -179,20 +179,18 @@ def main(argv=None) -> int:
         train, dev = carve(train, a.carve)
     rows_out = []
 
+    grid = ([(q, st, lr) for q in map(float, a.grid_rates.split(",")) for st in map(int, a.grid_steps.split(","))
+             for lr in map(float, a.grid_lrs.split(","))] if a.plan == "grid" else [])
+
     def settings(rows: int):
         """(setting, b, L, T, lr, C) of each run at ``rows`` a silo."""
+        if a.plan == "fixed":
+            local = min(a.local_steps, a.steps)
+            return [("fixed", max(1, round(a.rate * rows)), local, math.ceil(a.steps / local), a.lr, a.clip)]
+        out = [(f"q={q:g} steps={st} lr={lr:g}", max(1, math.ceil(q * rows)), min(a.local_steps, st),
+                math.ceil(st / min(a.local_steps, st)), lr, a.clip) for q, st, lr in grid]
         plan = head_plan([rows] * a.silos, a.epsilon, a.delta)
-        rule = ("rule", plan.batch_size, plan.local_steps, plan.rounds, plan.lr, plan.clip)
-        if a.plan == "rule":
-            return [rule]
-        out = []
-        grid = ([(q, s, lr) for q in map(float, a.grid_rates.split(",")) for s in map(int, a.grid_steps.split(","))
-                 for lr in map(float, a.grid_lrs.split(","))] if a.plan == "grid" else [(a.rate, a.steps, a.lr)])
-        for q, steps, lr in grid:
-            local = min(a.local_steps, steps)
-            out.append((f"q={q:g} steps={steps} lr={lr:g}", max(1, math.ceil(q * rows)), local,
-                        math.ceil(steps / local), lr, a.clip))
-        return out + [rule] if a.plan == "grid" else out
+        return out + [("rule", plan.batch_size, plan.local_steps, plan.rounds, plan.lr, plan.clip)]
 
     for rows, (setting, b, local, rounds, lr, clip) in [(r, s) for r in map(int, a.rows.split(",")) for s in settings(r)]:
         for private in ((True, False) if a.nonprivate else (True,)):

@@ -487,7 +487,7 @@ def _secure_sum_reply(context: Context, *, json_request: str | None = None, requ
         if noise is None:
             # without noise shares, only adapters trained with DP-SGD may enter a sum of a silo that requires DP
             private = context.state.config_records.get(SECURE_PRIVATE_KEY)
-            if policy_of(context, silo_run_config(context)).requires_dp and not (private and bool(private["dp-sgd"])):
+            if policy.requires_dp and not (private and bool(private["dp-sgd"])):
                 raise SiloRefusal("refused: a secure sum without noise of adapters not trained with DP-SGD")
         glob_record = context.state.array_records.get(SECURE_GLOBAL_KEY)
         vector = SC.silo_vector(req, trained.to_torch_state_dict(),
@@ -496,13 +496,13 @@ def _secure_sum_reply(context: Context, *, json_request: str | None = None, requ
             _charge_noise_share(context, req)  # the last check before the share leaves
         return vector
 
-    policy = policy_of(context, silo_run_config(context))
+    cfg = silo_run_config(context)
+    policy = policy_of(context, cfg)
     identity, trusted = _secure_identity(policy)
     guard_record = context.state.config_records.get(SECURE_GUARD_KEY)
     guard = SumGuard.from_json(str(guard_record["state"]) if guard_record is not None else None)
-    colluders = max(policy.colluders, int(silo_run_config(context)["secagg.colluders"]))
     reply, saved = client_step(int(context.node_id), request, saved, input_fn, identity=identity, trusted=trusted,
-                               guard=guard, colluders=colluders)
+                               guard=guard, colluders=policy.assumed_colluders(cfg["secagg.colluders"]))
     context.state[SECURE_STATE_KEY] = ConfigRecord({"state": saved})
     context.state[SECURE_GUARD_KEY] = ConfigRecord({"state": guard.to_json()})
     return pack(reply)

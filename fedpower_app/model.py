@@ -310,13 +310,16 @@ def is_head_parameter(name: str) -> bool:
     return "modules_to_save" in name
 
 
-def set_trainable(model, *, train_a: bool = True, train_b: bool = True) -> None:
-    """FFA-LoRA freezes A: only B (and the head if configured) receive gradients."""
+def set_trainable(model, *, train_a: bool = True, train_b: bool = True, train_head: bool | None = None) -> None:
+    """FFA-LoRA freezes A: only B (and the head if configured) receive gradients. ``train_head``:
+    None leaves a trained head as it is; False freezes it (LP-FT's adapter rounds), True thaws it."""
     for name, p in model.named_parameters():
         if "lora_A" in name:
             p.requires_grad_(train_a)
         elif "lora_B" in name:
             p.requires_grad_(train_b)
+        elif train_head is not None and is_head_parameter(name):
+            p.requires_grad_(train_head)
 
 
 def count_trainable(model) -> int:

@@ -28,6 +28,7 @@ from fedpower_app.released import save_released
 from fedpower_app.runs.auto import refuse_unresolved
 from fedpower_app.runs.results import ResultsWriter, no_round_aggregated
 from fedpower_app.training import evaluate as evaluate_model
+from fedpower_app.training.metrics import final_baseline
 from strategies.engine import build_engine
 from strategies.flower import RoundReport, build_strategy, exchange
 from strategies.privacy_contract import Disclosure
@@ -525,7 +526,6 @@ def _run(grid: Grid, cfg: RunConfig, run_dir: Path, results: ResultsWriter, chec
         " [a guarantee: noise and coins from generators seeded with OS entropy that no output holds]" if claim["valid"] else
         " [reproducible mode: not a guarantee against whoever holds the seed]" if claim["mode"] == "reproducible"
         else " [not a valid guarantee: the paper's calibration]")
-    from fedpower_app.training.metrics import final_baseline
 
     log.info("run %s %s: final accuracy %s%s, %s%s; results %s; model %s", run_dir.name, status,
              "n/a" if acc is None else f"{acc:.4f}", final_baseline(results.data),

@@ -357,8 +357,9 @@ class SiloDPSGD(PlanAndCommit):
             noise_line = (f"privacy: each step of a head round: the head's gradient clipped to C={head_c:g}, noise std "
                           f"on the clipped sum sigma*C={self.sigma * head_c:.4g}")
             if "adapter rounds" in self.phase_clips:
-                noise_line += (f"; of an adapter round: the adapters' clipped to C={self.clip_norm:g} (the head stays "
-                               f"as its rounds left it), sigma*C={self.sigma * self.clip_norm:.4g}; every round one "
+                adapter_c = self.phase_clips["adapter rounds"]
+                noise_line += (f"; of an adapter round: the adapters' clipped to C={adapter_c:g} (the head stays "
+                               f"as its rounds left it), sigma*C={self.sigma * adapter_c:.4g}; every round one "
                                f"Gaussian mechanism of multiplier sigma")
         elif self.head_noise_ratio:
             from strategies.mechanisms import dp_sgd_group_multipliers

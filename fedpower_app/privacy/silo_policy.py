@@ -201,13 +201,18 @@ class SiloPolicy:
         """Does this silo run the signed secure-sum protocol (against a server that deviates)?"""
         return self.signing_key is not None
 
+    def assumed_colluders(self, run_colluders: int = 0) -> int:
+        """The colluding silos this silo assumes in a secure sum: its own node config's, or the run's
+        if more (a server cannot lower it)."""
+        return max(self.colluders, int(run_colluders))
+
     def noise_share_contributors(self, threshold: int, requested: int, run_colluders: int = 0) -> int:
         """The k this silo accounts a noise share at: what the sum can prove, never more. A signed sum
         proves t trusted silos in the survivor set, so k = t less the colluders it assumes (its own
         node config, or the run's if more), capped by its node config secagg-contributors. An unsigned
         sum proves nothing about the other ids of a deployed silo's cohort: k = 1 (its own share).
         A simulated partition follows the run's k (its owner runs every silo)."""
-        colluders = max(self.colluders, int(run_colluders))
+        colluders = self.assumed_colluders(run_colluders)
         if self.sovereign and not self.signs:
             k = 1
         else:

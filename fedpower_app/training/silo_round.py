@@ -9,11 +9,12 @@ parameters, plain Adam otherwise).
 
 from __future__ import annotations
 
+from strategies.mechanisms import dp_sgd_phase_clips
 from strategies.noise import NoiseSource
 
 from .. import model as M
 from .dp_sgd import DPSGDParams, dp_sgd_train_local
-from .features import head_tensors
+from .features import class_weights, dp_sgd_head, features_of, head_tensors, train_head
 from .loops import TrainStats, round_lr, silo_randomness, train_local
 
 
@@ -31,10 +32,9 @@ def train_round(cfg, model, data, *, partition_id: int, server_round: int, train
             raise ValueError("the white-box audit's gradient canaries are planted in adapter rounds, not head-only ones")
         return _train_head_round(cfg, model, data, partition_id=partition_id, server_round=server_round,
                                  params=params, optimizer_carry=optimizer_carry)
-    M.set_trainable(model, train_a="A" in train_lora, train_b=True)
-    if cfg["train.what"] == "head-then-adapters":  # the adapters learn under the head the probe trained
-        for tensor in head_tensors(model):
-            tensor.requires_grad_(False)
+    # head-then-adapters: the adapters learn under the head the probe trained (frozen)
+    M.set_trainable(model, train_a="A" in train_lora, train_b=True,
+                    train_head=False if cfg["train.what"] == "head-then-adapters" else None)
     noise = NoiseSource(cfg["seed"], cfg["dp.noise"])
     device = next(model.parameters()).device
     streams = silo_randomness(noise, partition_id, server_round, device)
@@ -71,11 +71,9 @@ def phase_params(cfg, params: DPSGDParams | None, server_round: int) -> DPSGDPar
     N(0, (σC)²): one Gaussian mechanism of multiplier σ whatever C is, so the ledger's charge is
     the same (docs/privacy.md, "The head on frozen features"). Adapter rounds of ``adapters`` runs
     apply ``params`` as sent."""
-    if params is None or cfg["train.what"] == "adapters":
+    clips = {} if params is None else dp_sgd_phase_clips(cfg["train.what"], params.clip, params.head_clip)
+    if not clips:
         return params
-    from strategies.mechanisms import dp_sgd_phase_clips
-
-    clips = dp_sgd_phase_clips(cfg["train.what"], params.clip, params.head_clip)
     clip = clips["head rounds" if head_phase(cfg, server_round) else "adapter rounds"]
     return DPSGDParams(params.noise_multiplier, clip, params.batch_size, params.local_steps)
 
@@ -103,8 +101,6 @@ def _train_head_round(cfg, model, data, *, partition_id: int, server_round: int,
                       optimizer_carry: dict | None) -> TrainStats:
     """A head-only round: the silo's features (computed on its first round, then cached), then
     DP-SGD on the head with the round's parameters (or plain steps without them)."""
-    from .features import class_weights, dp_sgd_head, features_of, train_head
-
     noise = NoiseSource(cfg["seed"], cfg["dp.noise"])
     device = next(model.parameters()).device
     streams = silo_randomness(noise, partition_id, server_round, device)
@@ -123,6 +119,4 @@ def _train_head_round(cfg, model, data, *, partition_id: int, server_round: int,
 
 
 def model_num_labels(model) -> int:
-    from .features import head_tensors
-
     return int(head_tensors(model)[0].shape[0])

@@ -438,7 +438,7 @@ def client_step(node: int, request: dict, saved: str | None,
         raise SecureSumRefused(f"unknown secure-sum stage {stage!r}")
     config = SecureSumConfig.from_dict(request["config"])
     if stage == "advertise_keys":
-        if trusted is not None and 2 * config.threshold <= len(config.nodes) + int(colluders):
+        if trusted is not None and 2 * config.threshold <= len(config.nodes) + colluders:
             raise SecureSumRefused(f"a signed sum of {len(config.nodes)} silos at t = {config.threshold} cannot keep two "
                                    f"survivor sets apart with {colluders} colluder(s): it needs t > (n + colluders) / 2")
         if guard is not None:
